@@ -1,0 +1,246 @@
+//! `BlockManager` hot paths: per-token `append`, a decode `step` + plan at batch 256, and prefix
+//! lookup of a 1024-token prompt (hit, miss, and caching off as the baseline).
+//! Targets: step + plan at batch 256 <= 10 us; 1024-token hit (allocate + free) <= 5 us.
+//!
+//! Bookkeeping that keeps lengths bounded (freeing and re-admitting sequences) runs outside the
+//! timed part, through `iter_custom`.
+
+use std::hint::black_box;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, Criterion};
+use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
+
+const BLOCK_SIZE: u32 = 16;
+
+/// Every timed run criterion made: (benchmark, elapsed, iterations), for the summary at the end.
+static RUNS: Mutex<Vec<(&str, Duration, u64)>> = Mutex::new(Vec::new());
+
+fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
+    RUNS.lock().unwrap().push((name, elapsed, iters));
+    elapsed
+}
+
+/// Mean nanoseconds per iteration of `name` over all its runs (warm-up included).
+fn mean_ns(name: &str) -> Option<f64> {
+    let runs = RUNS.lock().unwrap();
+    let (t, n) = runs
+        .iter()
+        .filter(|r| r.0 == name)
+        .fold((0.0, 0u64), |(t, n), r| (t + r.1.as_secs_f64(), n + r.2));
+    (n > 0).then(|| t * 1e9 / n as f64)
+}
+
+/// A deterministic token stream (SplitMix64), so prompts do not share prefixes by accident.
+struct Tokens(u64);
+
+impl Tokens {
+    fn next(&mut self) -> Token {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % 50_000) as Token
+    }
+
+    fn take(&mut self, n: usize) -> Vec<Token> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn manager(num_blocks: u32, prefix_caching: bool) -> BlockManager {
+    let mut cfg = Config::new(num_blocks, BLOCK_SIZE);
+    cfg.enable_prefix_caching = prefix_caching;
+    BlockManager::new(cfg).unwrap()
+}
+
+/// One token at a time onto a long-running sequence; it is replaced after `MAX_LEN` tokens.
+fn bench_append(c: &mut Criterion) {
+    const MAX_LEN: usize = 8192;
+    let mgr = manager(4096, true);
+    let mut tokens = Tokens(1);
+    let mut seq: SeqId = 0;
+    mgr.allocate(seq, &tokens.take(32), None).unwrap();
+    let mut len = 32;
+
+    c.bench_function("append/1_token", |b| {
+        b.iter_custom(|iters| {
+            let mut elapsed = Duration::ZERO;
+            let mut left = iters as usize;
+            while left > 0 {
+                let chunk = left.min(MAX_LEN - len);
+                let batch = tokens.take(chunk);
+                let start = Instant::now();
+                for t in &batch {
+                    mgr.append(seq, std::slice::from_ref(t)).unwrap();
+                }
+                elapsed += start.elapsed();
+                left -= chunk;
+                len += chunk;
+                if len == MAX_LEN {
+                    mgr.free(seq).unwrap();
+                    seq += 1;
+                    mgr.allocate(seq, &tokens.take(32), None).unwrap();
+                    len = 32;
+                }
+            }
+            record("append", elapsed, iters)
+        })
+    });
+}
+
+/// 256 running sequences of ~500-token prompts; each iteration is one `step` (one token each)
+/// with its plan, into a reused `Plan`. After `MAX_STEPS` the batch is re-admitted.
+fn bench_step(c: &mut Criterion) {
+    const BATCH: usize = 256;
+    const PROMPT: usize = 500;
+    const MAX_STEPS: usize = 256;
+    let blocks_per_seq = (PROMPT + MAX_STEPS).div_ceil(BLOCK_SIZE as usize) as u32 + 1;
+    let mgr = manager(BATCH as u32 * blocks_per_seq * 2, true);
+    let mut tokens = Tokens(2);
+    let mut next_id: SeqId = 0;
+    let mut admit = |mgr: &BlockManager, tokens: &mut Tokens| -> Vec<SeqId> {
+        (0..BATCH)
+            .map(|i| {
+                next_id += 1;
+                // Prompt lengths vary a little so last pages fill at different steps.
+                let prompt = tokens.take(PROMPT - 8 + i % 16);
+                mgr.allocate(next_id, &prompt, None).unwrap();
+                next_id
+            })
+            .collect()
+    };
+    let mut seqs = admit(&mgr, &mut tokens);
+    let mut steps = 0;
+    let mut plan = Plan::new();
+
+    let mut g = c.benchmark_group("decode");
+    g.bench_function("step_plan/batch256", |b| {
+        b.iter_custom(|iters| {
+            let mut elapsed = Duration::ZERO;
+            let mut left = iters as usize;
+            while left > 0 {
+                let chunk = left.min(MAX_STEPS - steps);
+                let batch = tokens.take(BATCH);
+                let start = Instant::now();
+                for _ in 0..chunk {
+                    mgr.step(&seqs, &batch, &mut plan).unwrap();
+                }
+                elapsed += start.elapsed();
+                black_box(&plan);
+                left -= chunk;
+                steps += chunk;
+                if steps == MAX_STEPS {
+                    for &s in &seqs {
+                        mgr.free(s).unwrap();
+                    }
+                    seqs = admit(&mgr, &mut tokens);
+                    steps = 0;
+                }
+            }
+            record("step", elapsed, iters)
+        })
+    });
+    // The plan alone, for the same batch (no appends), to split the step's cost.
+    let query_lens = vec![1u32; BATCH];
+    g.bench_function("plan/batch256", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                mgr.plan(&seqs, &query_lens, &mut plan).unwrap();
+            }
+            record("plan", start.elapsed(), iters)
+        })
+    });
+    g.finish();
+}
+
+/// Allocate + free of a 1024-token prompt: its prefix cached (hit), never seen (miss: hashes
+/// computed, nothing matches, the blocks are registered), and with prefix caching off.
+fn bench_prefix(c: &mut Criterion) {
+    const PROMPT: usize = 1024;
+    let mut tokens = Tokens(3);
+    let prompt = tokens.take(PROMPT);
+
+    let mut g = c.benchmark_group("prefix_1024_tokens");
+    let mgr = manager(1024, true);
+    mgr.allocate(0, &prompt, None).unwrap();
+    mgr.free(0).unwrap();
+    let mut hits = 0;
+    g.bench_function("hit", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                black_box(mgr.allocate(1, black_box(&prompt), None).unwrap());
+                mgr.free(1).unwrap();
+            }
+            hits += iters;
+            record("hit", start.elapsed(), iters)
+        })
+    });
+    // Every allocation reused all but the last block (a hit never covers the last token).
+    let reused = (PROMPT - BLOCK_SIZE as usize) as u64;
+    assert_eq!(mgr.stats().prefix_hit_tokens, hits * reused, "every allocation must hit");
+
+    let mgr = manager(1024, true);
+    let mut miss = prompt.clone();
+    let mut first: Token = 100_000;
+    g.bench_function("miss", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                // A new first token makes every block's hash new.
+                first = first.wrapping_add(1);
+                miss[0] = first;
+                mgr.allocate(1, black_box(&miss), None).unwrap();
+                mgr.free(1).unwrap();
+            }
+            record("miss", start.elapsed(), iters)
+        })
+    });
+    assert_eq!(mgr.stats().prefix_hit_tokens, 0, "a miss must not hit");
+
+    let mgr = manager(1024, false);
+    g.bench_function("caching_off", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                mgr.allocate(1, black_box(&prompt), None).unwrap();
+                mgr.free(1).unwrap();
+            }
+            record("off", start.elapsed(), iters)
+        })
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    targets = bench_append, bench_step, bench_prefix
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    let show = |name: &str, what: &str| {
+        if let Some(ns) = mean_ns(name) {
+            println!("{what}: {:.3} us", ns / 1e3);
+        }
+    };
+    show("append", "append, 1 token");
+    show("step", "step + plan, batch 256 (target <= 10 us)");
+    show("plan", "plan alone, batch 256");
+    show("hit", "1024-token prefix hit, allocate + free (target <= 5 us)");
+    show("miss", "1024-token prefix miss, allocate + free");
+    show("off", "1024-token prompt, prefix caching off, allocate + free");
+    if let (Some(hit), Some(off)) = (mean_ns("hit"), mean_ns("off")) {
+        println!("hit vs caching off: {:.2}x", off / hit);
+    }
+    if let (Some(miss), Some(off)) = (mean_ns("miss"), mean_ns("off")) {
+        println!("miss vs caching off (the price of hashing): {:.2}x", miss / off);
+    }
+}

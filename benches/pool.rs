@@ -1,0 +1,141 @@
+//! `BlockPool` allocate + release: one thread, and two threads hammering one pool, each against
+//! a `Mutex<Vec<u32>>` free list measured in the same run. Target: one pair <= 20 ns on one thread.
+
+use std::hint::black_box;
+use std::sync::{Barrier, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, Criterion};
+use pagedkv::BlockPool;
+
+const NUM_BLOCKS: u32 = 4096;
+
+/// The two pools under test, behind one interface.
+trait Pool: Sync {
+    fn alloc(&self) -> Option<u32>;
+    fn free(&self, block: u32);
+}
+
+impl Pool for BlockPool {
+    fn alloc(&self) -> Option<u32> {
+        self.allocate()
+    }
+    fn free(&self, block: u32) {
+        self.release(block);
+    }
+}
+
+/// The baseline: the free list most code starts with.
+struct MutexPool(Mutex<Vec<u32>>);
+
+impl MutexPool {
+    fn new(num_blocks: u32) -> MutexPool {
+        MutexPool(Mutex::new((0..num_blocks).rev().collect()))
+    }
+}
+
+impl Pool for MutexPool {
+    fn alloc(&self) -> Option<u32> {
+        self.0.lock().unwrap().pop()
+    }
+    fn free(&self, block: u32) {
+        self.0.lock().unwrap().push(block);
+    }
+}
+
+fn pairs<P: Pool>(pool: &P, n: u64) {
+    for _ in 0..n {
+        let block = pool.alloc().expect("the pool never runs dry here");
+        pool.free(black_box(block));
+    }
+}
+
+/// Wall time for `threads` threads, started together, to do `iters` pairs each.
+fn concurrent<P: Pool>(pool: &P, threads: usize, iters: u64) -> Duration {
+    let barrier = Barrier::new(threads + 1);
+    thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    barrier.wait();
+                    pairs(pool, iters);
+                })
+            })
+            .collect();
+        barrier.wait();
+        let start = Instant::now();
+        for h in handles {
+            h.join().unwrap();
+        }
+        start.elapsed()
+    })
+}
+
+/// Every timed run criterion made: (benchmark, elapsed, iterations), for the ratios at the end.
+static RUNS: Mutex<Vec<(&str, Duration, u64)>> = Mutex::new(Vec::new());
+
+fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
+    RUNS.lock().unwrap().push((name, elapsed, iters));
+    elapsed
+}
+
+/// Mean nanoseconds per iteration of `name` over all its runs (warm-up included).
+fn mean_ns(name: &str) -> Option<f64> {
+    let runs = RUNS.lock().unwrap();
+    let (t, n) = runs
+        .iter()
+        .filter(|r| r.0 == name)
+        .fold((0.0, 0u64), |(t, n), r| (t + r.1.as_secs_f64(), n + r.2));
+    (n > 0).then(|| t * 1e9 / n as f64)
+}
+
+fn print_ratio(what: &str, baseline: &str, candidate: &str) {
+    if let (Some(b), Some(c)) = (mean_ns(baseline), mean_ns(candidate)) {
+        println!("{what}: {baseline} {b:.1} ns, {candidate} {c:.1} ns, ratio {:.2}x", b / c);
+    }
+}
+
+fn timed<P: Pool>(name: &'static str, pool: &P, threads: usize, iters: u64) -> Duration {
+    let elapsed = if threads == 1 {
+        let start = Instant::now();
+        pairs(pool, iters);
+        start.elapsed()
+    } else {
+        concurrent(pool, threads, iters)
+    };
+    record(name, elapsed, iters)
+}
+
+fn bench_pool(c: &mut Criterion) {
+    let lock_free = BlockPool::new(NUM_BLOCKS);
+    let mutex = MutexPool::new(NUM_BLOCKS);
+
+    let mut g = c.benchmark_group("alloc_release_1_thread");
+    g.bench_function("BlockPool", |b| b.iter_custom(|n| timed("pool_1t", &lock_free, 1, n)));
+    g.bench_function("Mutex<Vec>", |b| b.iter_custom(|n| timed("mutex_1t", &mutex, 1, n)));
+    g.finish();
+
+    // Time per iteration = both threads doing one pair each, side by side.
+    let mut g = c.benchmark_group("alloc_release_2_threads");
+    g.bench_function("BlockPool", |b| b.iter_custom(|n| timed("pool_2t", &lock_free, 2, n)));
+    g.bench_function("Mutex<Vec>", |b| b.iter_custom(|n| timed("mutex_2t", &mutex, 2, n)));
+    g.finish();
+
+    assert_eq!(lock_free.num_free(), NUM_BLOCKS as usize, "every block came back");
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(2));
+    targets = bench_pool
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    print_ratio("1 thread, one pair (target <= 20 ns)", "mutex_1t", "pool_1t");
+    print_ratio("2 threads, one pair each", "mutex_2t", "pool_2t");
+}

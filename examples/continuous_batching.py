@@ -1,0 +1,383 @@
+"""Continuous batching with pagedkv: a `transformers` Llama's own weights on a paged KV cache.
+
+`generate(model, requests)` runs greedy decoding for many requests at once. Each step one batch
+holds whatever is ready: new prompts (prefill, in chunks if asked), prompts that hit the prefix
+cache (only their uncached tail is computed), and decoding sequences. Requests arrive and finish
+between steps; a request with `num_samples > 1` is forked after its prefill, and the first append
+to a shared partial block triggers copy-on-write. When the GPU pool runs out, the youngest
+sequences are swapped to a CPU cache and swapped back in later.
+
+Run it: ``python examples/continuous_batching.py`` (a small random Llama, no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedkv import BlockManager, OutOfBlocks, Plan
+from pagedkv.attention import BackendName, PagedAttention
+from pagedkv.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt to continue greedily for `max_new_tokens`, arriving at step `arrival_step`."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    arrival_step: int = 0
+    num_samples: int = 1
+
+
+@dataclass
+class GenerationResult:
+    """Generated tokens per request and sample, and what the run exercised."""
+
+    tokens: list[list[list[int]]]
+    steps: int = 0
+    prefix_hit_tokens: int = 0
+    copied_blocks: int = 0
+    swapped_out_blocks: int = 0
+    mixed_steps: int = 0
+    max_batch_size: int = 0
+
+
+@dataclass(eq=False)  # identity: two samples may hold equal state
+class _Sequence:
+    seq_id: int
+    request: int
+    sample: int
+    prompt: list[int]
+    max_new_tokens: int
+    computed: int = 0  # tokens whose K/V is in the cache (and that the manager holds)
+    next_token: int | None = None  # sampled, appended at the next step
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedLlama:
+    """Runs a `LlamaForCausalLM`'s modules token-packed, with paged attention."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, attn: PagedAttention) -> None:
+        self.model = model
+        self.cache = cache
+        self.attn = attn
+        cfg = model.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+
+    def forward(self, input_ids: torch.Tensor, plan: Plan, last_rows: torch.Tensor) -> torch.Tensor:
+        """Logits at `last_rows` of the step's packed tokens; writes every token's K/V."""
+        inner = self.model.model
+        positions = torch.from_numpy(plan.positions).to(input_ids.device, torch.int64)
+        n = input_ids.shape[0]
+        h = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(h, positions[None, :])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        slots = self.cache.slot_tensor(plan)  # converted once, used by every layer
+        self.attn.plan(plan)
+        for index, layer in enumerate(inner.layers):
+            sa = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = sa.q_proj(x).view(n, self.num_heads, self.head_dim)
+            k = sa.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            v = sa.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.cache.write(index, k, v.contiguous(), slots)
+            out = self.attn.run(q.contiguous(), self.cache, index)
+            h = h + sa.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits: torch.Tensor = self.model.lm_head(inner.norm(h[last_rows]))
+        return logits
+
+
+class _Engine:
+    """The scheduler state of one `generate` call."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        requests: Sequence[Request],
+        *,
+        block_size: int,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        prefill_chunk: int | None,
+        backend: BackendName,
+        device: torch.device,
+    ) -> None:
+        cfg = model.config
+        dtype = next(model.parameters()).dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.mgr = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        self.gpu = KVCache(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        self.cpu = KVCache(
+            layers,
+            max(num_cpu_blocks, 1),
+            block_size,
+            kv_heads,
+            head_dim,
+            dtype,
+            "cpu",
+            pin_memory=device.type == "cuda",
+        )
+        attn = PagedAttention(
+            cfg.num_attention_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            backend,
+            device=device,
+            dtype=dtype,
+            sm_scale=head_dim**-0.5,
+        )
+        self.llama = PagedLlama(model, self.gpu, attn)
+        self.device = device
+        self.requests = list(requests)
+        self.chunk = prefill_chunk
+        self.waiting = sorted(range(len(requests)), key=lambda r: requests[r].arrival_step)
+        self.running: list[_Sequence] = []  # oldest admission first
+        self.swapped: list[_Sequence] = []
+        self.next_id = 0
+        self.result = GenerationResult(
+            tokens=[[[] for _ in range(r.num_samples)] for r in requests]
+        )
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def _swap_in(self) -> None:
+        while self.swapped:
+            seq = self.swapped[0]
+            try:
+                pairs = self.mgr.swap_in([seq.seq_id])
+            except OutOfBlocks:
+                return
+            self.gpu.swap_in(self.cpu, pairs)
+            self.running.append(self.swapped.pop(0))
+
+    def _admit(self, step: int) -> None:
+        while self.waiting and not self.swapped:
+            r = self.waiting[0]
+            req = self.requests[r]
+            if req.arrival_step > step:
+                return
+            prompt = [int(t) for t in req.prompt]
+            first = prompt[: self.chunk] if self.chunk else prompt
+            if not self.mgr.can_allocate(first):
+                return
+            seq = _Sequence(self._new_id(), r, 0, prompt, req.max_new_tokens)
+            seq.computed = self.mgr.allocate(seq.seq_id, first)
+            self.result.prefix_hit_tokens += seq.computed
+            self.running.append(seq)
+            self.waiting.pop(0)
+
+    def _swap_out(self, seq: _Sequence) -> None:
+        pairs = self.mgr.swap_out([seq.seq_id])
+        self.gpu.swap_out(self.cpu, pairs)
+        self.result.swapped_out_blocks += len(pairs)
+        self.running.remove(seq)
+        self.swapped.insert(0, seq)
+
+    def _grow(self, seq: _Sequence, batch: list[_Sequence]) -> int:
+        """Give `seq` its tokens for this step; returns its query length.
+
+        A sequence just admitted already holds its first chunk; otherwise it appends its next
+        prompt chunk or its sampled token, swapping out the youngest sequences not yet in this
+        step's batch when the pool is full.
+        """
+        held = self.mgr.num_tokens(seq.seq_id)
+        if held > seq.computed:
+            return held - seq.computed
+        if seq.prefilling:
+            end = len(seq.prompt) if not self.chunk else seq.computed + self.chunk
+            new = seq.prompt[seq.computed : end]
+        else:
+            assert seq.next_token is not None
+            new = [seq.next_token]
+        while True:
+            try:
+                self.mgr.append(seq.seq_id, new)
+                return len(new)
+            except OutOfBlocks:
+                # Never a sequence holding tokens whose K/V is not computed yet: its full blocks
+                # are already in the prefix cache, and releasing them would publish garbage.
+                victims = [
+                    s
+                    for s in self.running
+                    if s is not seq
+                    and s not in batch
+                    and self.mgr.num_tokens(s.seq_id) == s.computed
+                ]
+                if not victims:
+                    raise
+                self._swap_out(victims[-1])
+
+    def step(self, step: int) -> None:
+        self._swap_in()
+        self._admit(step)
+        batch: list[_Sequence] = []
+        q_lens: list[int] = []
+        for seq in list(self.running):
+            if seq in self.running:  # not swapped out by an earlier sequence's growth
+                q_lens.append(self._grow(seq, batch))
+                batch.append(seq)
+        if not batch:
+            return
+        copies = self.mgr.take_copies()
+        self.result.copied_blocks += len(copies)
+        self.gpu.copy_blocks(copies)
+
+        ids = [s.seq_id for s in batch]
+        plan = self.mgr.plan(ids, q_lens)
+        tokens: list[int] = []
+        for seq, q in zip(batch, q_lens, strict=True):
+            all_tokens = seq.prompt + seq.generated
+            tokens += all_tokens[seq.computed : seq.computed + q]
+        input_ids = torch.tensor(tokens, device=self.device)
+        last_rows = torch.tensor(plan.qo_indptr[1:] - 1, device=self.device, dtype=torch.int64)
+        next_tokens = self.llama.forward(input_ids, plan, last_rows).argmax(dim=-1).tolist()
+
+        self.result.steps += 1
+        self.result.max_batch_size = max(self.result.max_batch_size, len(batch))
+        if any(q > 1 for q in q_lens) and any(not s.prefilling for s in batch):
+            self.result.mixed_steps += 1
+        for seq, q, token in zip(batch, q_lens, next_tokens, strict=True):
+            seq.computed += q
+            if not seq.prefilling:
+                self._emit(seq, int(token))
+
+    def _emit(self, seq: _Sequence, token: int) -> None:
+        req = self.requests[seq.request]
+        first = not seq.generated
+        seq.generated.append(token)
+        seq.next_token = token
+        if first and seq.sample == 0:
+            # Parallel samples share the prompt's blocks, the partial last one included.
+            for sample in range(1, req.num_samples):
+                child = _Sequence(
+                    self._new_id(),
+                    seq.request,
+                    sample,
+                    seq.prompt,
+                    seq.max_new_tokens,
+                    seq.computed,
+                    token,
+                    [token],
+                )
+                self.mgr.fork(seq.seq_id, child.seq_id)
+                self.running.append(child)
+                self._finish_if_done(child)
+        self._finish_if_done(seq)
+
+    def _finish_if_done(self, seq: _Sequence) -> None:
+        if len(seq.generated) >= seq.max_new_tokens:
+            self.result.tokens[seq.request][seq.sample] = list(seq.generated)
+            self.mgr.free(seq.seq_id)
+            self.running.remove(seq)
+
+    def run(self) -> GenerationResult:
+        step = 0
+        while self.waiting or self.running or self.swapped:
+            self.step(step)
+            step += 1
+        self.mgr.check()
+        return self.result
+
+
+@torch.inference_mode()
+def generate(
+    model: LlamaForCausalLM,
+    requests: Sequence[Request],
+    *,
+    block_size: int = 16,
+    num_blocks: int = 256,
+    num_cpu_blocks: int = 64,
+    prefill_chunk: int | None = None,
+    backend: BackendName = "auto",
+    device: torch.device | str | None = None,
+) -> GenerationResult:
+    """Greedy continuous-batching generation of `requests` with `model`'s weights.
+
+    `prefill_chunk` caps the prompt tokens a sequence brings to one step (prefix-cache hits are
+    then looked up within its first chunk). `device` defaults to the model's.
+    """
+    for req in requests:
+        if not req.prompt or req.max_new_tokens < 1 or req.num_samples < 1:
+            raise ValueError(
+                f"a request needs a prompt, max_new_tokens >= 1 and num_samples >= 1: {req}"
+            )
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    engine = _Engine(
+        model,
+        requests,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        prefill_chunk=prefill_chunk,
+        backend=backend,
+        device=dev,
+    )
+    return engine.run()
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 128) -> LlamaForCausalLM:
+    """A small, randomly initialised Llama (2 layers, GQA 4:2), built offline and seeded."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    args = parser.parse_args()
+    model = tiny_llama().to(args.device)
+    shared = list(range(1, 40))
+    requests = [
+        Request([*shared, 50, 51], 12),
+        Request([*shared, 60], 12, arrival_step=3),
+        Request(list(range(70, 95)), 10, arrival_step=1, num_samples=3),
+        Request([7, 8, 9], 16, arrival_step=5),
+    ]
+    result = generate(model, requests, backend=args.backend, block_size=16)
+    for i, samples in enumerate(result.tokens):
+        print(f"request {i}: {samples}")
+    print(
+        f"steps={result.steps} prefix_hit_tokens={result.prefix_hit_tokens} "
+        f"copied_blocks={result.copied_blocks} swapped_out_blocks={result.swapped_out_blocks} "
+        f"mixed_steps={result.mixed_steps} max_batch={result.max_batch_size}"
+    )
+
+
+if __name__ == "__main__":
+    _main()

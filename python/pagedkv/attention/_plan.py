@@ -1,0 +1,144 @@
+"""The host-side view of one step's plan that every attention backend consumes.
+
+`BlockManager.plan` / `step` return a `Plan` of numpy int32 arrays. `StepPlan.from_plan` checks
+those arrays once per step (vectorised numpy, no per-sequence Python loop) and derives the
+per-sequence query and KV lengths that both backends need, so the FlashInfer path and the torch
+reference see exactly the same, already validated, inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+IntArray = npt.NDArray[np.int32]
+
+
+class PlanLike(Protocol):
+    """Anything shaped like `pagedkv.Plan`: FlashInfer's CSR page table plus query offsets."""
+
+    @property
+    def kv_indptr(self) -> npt.NDArray[Any]:
+        """`[B + 1]` offsets of each sequence's pages in `kv_indices`."""
+
+    @property
+    def kv_indices(self) -> npt.NDArray[Any]:
+        """`[nnz]` physical block ids, sequence by sequence, in logical order."""
+
+    @property
+    def kv_last_page_len(self) -> npt.NDArray[Any]:
+        """`[B]` tokens in each sequence's last page, `1 <= v <= block_size`."""
+
+    @property
+    def qo_indptr(self) -> npt.NDArray[Any]:
+        """`[B + 1]` offsets of each sequence's query tokens in `q`."""
+
+
+def _int32_vector(name: str, array: npt.NDArray[Any]) -> IntArray:
+    """Return `array` as a contiguous 1-D int32 array, or raise naming the field."""
+    arr = np.asarray(array)
+    if arr.ndim != 1:
+        raise ValueError(f"plan.{name} must be 1-D, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"plan.{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype != np.int32:
+        info = np.iinfo(np.int32)
+        if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+            raise ValueError(f"plan.{name} has values outside int32")
+        arr = arr.astype(np.int32)
+    return np.ascontiguousarray(arr)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A validated plan: the CSR arrays plus derived per-sequence lengths.
+
+    Sequence `b` has `q_lens[b]` query tokens that are its last `q_lens[b]` KV positions, so query
+    token `i` of `b` sits at position `kv_lens[b] - q_lens[b] + i` and (causally) sees KV
+    positions `0 ..= kv_lens[b] - q_lens[b] + i`.
+    """
+
+    kv_indptr: IntArray
+    kv_indices: IntArray
+    kv_last_page_len: IntArray
+    qo_indptr: IntArray
+    q_lens: npt.NDArray[np.int64]
+    kv_lens: npt.NDArray[np.int64]
+    block_size: int
+    max_q_len: int
+    max_kv_len: int
+    max_block_id: int
+
+    @property
+    def batch_size(self) -> int:
+        """Number of sequences in the step."""
+        return int(self.q_lens.shape[0])
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Total query tokens, the first dimension of `q` and of the output."""
+        return int(self.qo_indptr[-1])
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence has exactly one query token."""
+        return self.max_q_len == 1
+
+    @classmethod
+    def from_plan(cls, plan: PlanLike, block_size: int) -> StepPlan:
+        """Validate `plan` against `block_size`; raise `ValueError` naming the first problem."""
+        kv_indptr = _int32_vector("kv_indptr", plan.kv_indptr)
+        kv_indices = _int32_vector("kv_indices", plan.kv_indices)
+        last = _int32_vector("kv_last_page_len", plan.kv_last_page_len)
+        qo_indptr = _int32_vector("qo_indptr", plan.qo_indptr)
+
+        batch = last.shape[0]
+        if batch == 0:
+            raise ValueError("plan has an empty batch")
+        if kv_indptr.shape[0] != batch + 1:
+            raise ValueError(
+                f"plan.kv_indptr has {kv_indptr.shape[0]} entries, expected batch + 1 = {batch + 1}"
+            )
+        if qo_indptr.shape[0] != batch + 1:
+            raise ValueError(
+                f"plan.qo_indptr has {qo_indptr.shape[0]} entries, expected batch + 1 = {batch + 1}"
+            )
+        if kv_indptr[0] != 0 or qo_indptr[0] != 0:
+            raise ValueError("plan.kv_indptr and plan.qo_indptr must start at 0")
+        num_pages = np.diff(kv_indptr).astype(np.int64)
+        q_lens = np.diff(qo_indptr).astype(np.int64)
+        if (num_pages < 1).any():
+            raise ValueError("plan.kv_indptr: every sequence needs at least one page")
+        if (q_lens < 1).any():
+            raise ValueError("plan.qo_indptr: every sequence needs at least one query token")
+        if int(kv_indptr[-1]) != kv_indices.shape[0]:
+            raise ValueError(
+                f"plan.kv_indptr[-1] = {int(kv_indptr[-1])} but plan.kv_indices has "
+                f"{kv_indices.shape[0]} entries"
+            )
+        if ((last < 1) | (last > block_size)).any():
+            raise ValueError(f"plan.kv_last_page_len must lie in [1, block_size={block_size}]")
+        if (kv_indices < 0).any():
+            raise ValueError("plan.kv_indices holds a negative block id")
+        kv_lens = (num_pages - 1) * block_size + last.astype(np.int64)
+        if (kv_lens < q_lens).any():
+            b = int(np.argmax(kv_lens < q_lens))
+            raise ValueError(
+                f"sequence {b} of the plan has {int(q_lens[b])} query tokens but only "
+                f"{int(kv_lens[b])} KV tokens; the query must be the tail of the KV"
+            )
+        return cls(
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_last_page_len=last,
+            qo_indptr=qo_indptr,
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            block_size=block_size,
+            max_q_len=int(q_lens.max()),
+            max_kv_len=int(kv_lens.max()),
+            max_block_id=int(kv_indices.max()),
+        )

@@ -1,0 +1,97 @@
+"""Paged attention in plain torch: the reference every fast backend is checked against.
+
+It consumes exactly the CSR plan FlashInfer gets. `plan` turns the page table into gather indices
+and a causal mask once per step; `run` gathers each sequence's K/V into a padded
+`[batch, max_kv_len]` block, attends with all sequences at once (no Python loop per token or per
+sequence) in float32 (float64 for float64 inputs), and scatters the rows back to plan order.
+Memory is `O(batch * max_q_len * max_kv_len * heads)`, which suits tests and checks, not serving.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.attention._plan import StepPlan
+from pagedkv.attention._spec import AttentionSpec
+
+
+class _Gather:
+    """Per-step index tensors, built once in `plan` and reused by every layer's `run`."""
+
+    def __init__(self, step: StepPlan, device: torch.device) -> None:
+        bs = step.block_size
+        indptr = torch.from_numpy(step.kv_indptr).to(torch.int64)
+        indices = torch.from_numpy(step.kv_indices).to(torch.int64)
+        kv_lens = torch.from_numpy(step.kv_lens)
+        q_lens = torch.from_numpy(step.q_lens)
+        qo_indptr = torch.from_numpy(step.qo_indptr).to(torch.int64)
+        batch, max_q, max_kv = step.batch_size, step.max_q_len, step.max_kv_len
+
+        # KV side: logical position j of sequence b lives in page indices[indptr[b] + j // bs]
+        # at offset j % bs. Padded positions point at the sequence's first page (always valid)
+        # and are masked out below.
+        j = torch.arange(max_kv)
+        kv_valid = j[None, :] < kv_lens[:, None]
+        page_pos = torch.where(kv_valid, indptr[:-1, None] + (j // bs)[None, :], indptr[:-1, None])
+        pages = indices[page_pos]
+        offsets = (j % bs).expand(batch, max_kv)
+
+        # Query side: row i of sequence b is token qo_indptr[b] + i at position
+        # kv_len - q_len + i (causal mask aligned bottom-right).
+        i = torch.arange(max_q)
+        q_valid = i[None, :] < q_lens[:, None]
+        q_rows = torch.where(q_valid, qo_indptr[:-1, None] + i[None, :], 0)
+        q_pos = (kv_lens - q_lens)[:, None] + i[None, :]
+        allowed = (j[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+        # Padded query rows see every valid key so their softmax stays finite; they are dropped.
+        allowed |= ~q_valid[:, :, None] & kv_valid[:, None, :]
+        # Row b * max_q + i of the padded output is plan token qo_indptr[b] + i.
+        token_b = torch.repeat_interleave(torch.arange(batch), q_lens)
+        token_i = torch.arange(step.num_query_tokens) - qo_indptr[token_b]
+        out_rows = token_b * max_q + token_i
+
+        self.pages = pages.to(device)
+        self.offsets = offsets.to(device)
+        self.q_rows = q_rows.to(device)
+        self.allowed = allowed.to(device)
+        self.out_rows = out_rows.to(device)
+        self.batch = batch
+        self.max_q = max_q
+
+
+class TorchReference:
+    """Vectorised torch paged attention on any device; see the module docstring."""
+
+    name = "torch"
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self._spec = spec
+        self._gather: _Gather | None = None
+
+    def plan(self, step: StepPlan) -> None:
+        """Build this step's gather indices and mask on the spec's device."""
+        self._gather = _Gather(step, self._spec.device)
+
+    def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Attend `q` `[tokens, qo_heads, dim]` over the paged layer `kv` (NHD, 5-D)."""
+        g = self._gather
+        if g is None:
+            raise RuntimeError("plan() must be called before run()")
+        spec = self._spec
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        hkv, group, dim = spec.num_kv_heads, spec.group_size, spec.head_dim
+
+        # kv[:, 0] is a view, so indexing it gathers only the needed slots, never the cache.
+        k = kv[:, 0][g.pages, g.offsets].to(compute)  # [B, max_kv, hkv, dim]
+        v = kv[:, 1][g.pages, g.offsets].to(compute)
+        qp = q[g.q_rows].to(compute).view(g.batch, g.max_q, hkv, group, dim)
+
+        logits = torch.einsum("bqhgd,bkhd->bhgqk", qp, k) * spec.sm_scale
+        cap = spec.logits_soft_cap
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        logits = logits.masked_fill(~g.allowed[:, None, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
+        out = out.reshape(g.batch * g.max_q, spec.num_qo_heads, dim)[g.out_rows]
+        return out.to(q.dtype)

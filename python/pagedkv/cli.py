@@ -1,0 +1,320 @@
+"""The `pagedkv` command line: `pagedkv simulate` compares paged and contiguous KV memory."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"expected a positive rate or 'inf', got {text!r}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as `12GB`, `12 GiB`, `1.5e10` (GB = 10**9, GiB = 2**30)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 12GB or 12GiB, got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value
+
+
+def _named(table: Mapping[str, T], what: str) -> Callable[[str], str]:
+    """An argparse type that accepts a key of `table`, case-insensitively."""
+    by_lower = {k.lower(): k for k in table}
+
+    def parse(text: str) -> str:
+        key = by_lower.get(text.lower())
+        if key is None:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {text!r} (choose from {', '.join(table)})"
+            )
+        return key
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def _systems(text: str) -> tuple[str, ...]:
+    from pagedkv.simulate.simulation import SYSTEMS
+
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    for key in keys:
+        if key not in SYSTEMS:
+            raise argparse.ArgumentTypeError(
+                f"unknown system {key!r} (choose from {', '.join(SYSTEMS)})"
+            )
+    if not keys:
+        raise argparse.ArgumentTypeError("no system given")
+    return keys
+
+
+def _simulate_epilog() -> str:
+    from pagedkv.simulate.presets import GPUS, MODELS, TRACES
+
+    lines = ["trace presets (synthetic, seeded, with these mean lengths in tokens):"]
+    for t in TRACES.values():
+        lines.append(
+            f"  {t.name:<11} prompt {t.mean_prompt:g}, output {t.mean_output:g}: {t.source}"
+        )
+    lines.append("  Lengths are log-normal with coefficient of variation 1 (our assumption).")
+    lines.append("models (KV bytes per token at 16 bits, weights, context length):")
+    for m in MODELS.values():
+        lines.append(
+            f"  {m.name:<11} {m.kv_bytes_per_token:,} B/token, {m.num_params / 1e9:.2f}B "
+            f"params, {m.max_len} tokens: {m.source}"
+        )
+    lines.append("GPUs (memory, bandwidth, dense 16-bit FLOP/s):")
+    for g in GPUS.values():
+        lines.append(
+            f"  {g.name:<11} {g.memory_bytes / 2**30:.1f} GiB, {g.bandwidth / 1e12:.3g} TB/s, "
+            f"{g.flops / 1e12:g} TFLOP/s: {g.source}"
+        )
+    lines += [
+        "",
+        "systems, all over the same KV memory and the same FCFS continuous-batching scheduler:",
+        "  paged   pagedkv.BlockManager: blocks on demand, fork for samples and beams",
+        "  max     one contiguous region per sequence of the max length (Orca Max)",
+        "  pow2    prompt + output rounded up to a power of two (Orca Pow2)",
+        "  oracle  exactly prompt + output, as if known in advance (Orca Oracle)",
+        "Contiguous regions are placed first-fit in one address space.",
+        "",
+        "memory composition (vLLM paper, Fig. 2), shares of the KV memory averaged per step:",
+        "  tokens    slots holding a stored token's KV",
+        "  reserved  empty slots held for a running request's future tokens",
+        "  internal  empty slots held that the request will never fill",
+        "  external  slots held by no request: gaps, free or cached blocks",
+        "Steps are measured until the last request is admitted (--include-drain: all).",
+        "When the paged system cannot store a step's tokens it preempts the latest request,",
+        "which is recomputed later (vLLM's policy); contiguous systems never need to.",
+        "Throughput: each step takes (weights + KV bytes read) / memory bandwidth, plus",
+        "2 x parameters FLOPs per prompt token / peak FLOP/s; several GPUs add up ideally.",
+        "",
+        "JSONL trace: one object per line with prompt_len, output_len (positive integers),",
+        "optional prefix_id (requests with one id share that prefix) and prefix_len (default:",
+        "the whole prompt), optional arrival (seconds; all lines or none).",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `pagedkv` argument parser."""
+    from pagedkv.simulate.presets import GPUS, MODELS
+
+    parser = _Parser(prog="pagedkv", description="pagedkv: paged KV-cache memory for LLM serving")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sim = commands.add_parser(
+        "simulate",
+        help="compare paged and contiguous KV memory on a request trace",
+        description=(
+            "Drive the real pagedkv.BlockManager through a request trace and compare it, on the "
+            "same trace and KV memory, with contiguous allocation reserving the max length, the "
+            "next power of two, or the true final length (an oracle)."
+        ),
+        epilog=_simulate_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim.add_argument(
+        "--trace",
+        default="sharegpt",
+        help="a preset (sharegpt, alpaca, azure-conv, azure-code) or a JSONL file "
+        "(default: sharegpt)",
+    )
+    sim.add_argument(
+        "--num-requests",
+        type=_positive_int,
+        help="requests to draw from a preset (default 1000) or to take from a JSONL file "
+        "(default: all)",
+    )
+    sim.add_argument("--seed", type=_seed, default=0, help="seed of the synthetic trace (0)")
+    sim.add_argument(
+        "--rate",
+        type=_rate,
+        default=math.inf,
+        help="Poisson arrival rate in requests/s when the trace has no arrival times "
+        "(default inf: all requests wait at t=0, the memory-bound regime)",
+    )
+    sim.add_argument(
+        "--model", type=_named(MODELS, "model"), default="OPT-13B", help="(default OPT-13B)"
+    )
+    sim.add_argument(
+        "--gpu", type=_named(GPUS, "GPU"), default="A100-40GB", help="(default A100-40GB)"
+    )
+    sim.add_argument(
+        "--gpus", type=_positive_int, default=1, help="GPUs with tensor parallelism (1)"
+    )
+    sim.add_argument(
+        "--kv-memory",
+        type=parse_size,
+        help="KV memory, e.g. 12GB (default: 90%% of GPU memory minus the weights)",
+    )
+    sim.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (16)")
+    sim.add_argument(
+        "--max-len", type=_positive_int, help="max sequence length (default: the model's)"
+    )
+    sim.add_argument(
+        "-n", type=_positive_int, default=1, help="parallel samples per request, via fork (1)"
+    )
+    sim.add_argument(
+        "--beam-width", type=_positive_int, default=1, help="beam search width, via fork (1)"
+    )
+    sim.add_argument(
+        "--systems",
+        type=_systems,
+        default=None,
+        help="comma-separated subset of paged,max,pow2,oracle (default: all)",
+    )
+    sim.add_argument(
+        "--include-drain",
+        action="store_true",
+        help="also measure the steps after the last admission",
+    )
+    sim.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    sim.add_argument("--plot", type=Path, metavar="FILE.png", help="write a PNG plot")
+    sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from pagedkv.simulate.presets import GPUS, MODELS, TRACES, default_kv_memory
+    from pagedkv.simulate.progress import ProgressBar
+    from pagedkv.simulate.report import format_json, format_table
+    from pagedkv.simulate.simulation import SYSTEMS, SimulationConfig, simulate
+    from pagedkv.simulate.trace import load_jsonl, synthetic_trace
+
+    model = MODELS[args.model]
+    gpu = GPUS[args.gpu]
+    max_len = args.max_len if args.max_len is not None else model.max_len
+    if args.plot is not None:  # fail before a long run, not after it
+        if args.plot.suffix.lower() != ".png":
+            raise _UsageError(f"--plot writes PNG: give a .png file name, got {str(args.plot)!r}")
+        if not args.plot.parent.is_dir():
+            raise _UsageError(
+                f"cannot write plot {str(args.plot)!r}: no directory {str(args.plot.parent)!r}"
+            )
+    kv_memory = args.kv_memory
+    if kv_memory is None:
+        kv_memory = default_kv_memory(model, gpu, args.gpus)
+    config = SimulationConfig(
+        model=model,
+        gpu=gpu,
+        kv_memory=kv_memory,
+        block_size=args.block_size,
+        max_len=max_len,
+        n=args.n,
+        beam_width=args.beam_width,
+        num_gpus=args.gpus,
+        seed=args.seed,
+        include_drain=args.include_drain,
+        systems=args.systems or tuple(SYSTEMS),
+    )
+    preset = TRACES.get(args.trace.lower())
+    if preset is not None:
+        trace = synthetic_trace(
+            preset, args.num_requests or 1000, max_len=max_len, rate=args.rate, seed=args.seed
+        )
+        name = preset.name
+    elif args.trace.lower().endswith(".jsonl") or Path(args.trace).exists():
+        trace = load_jsonl(Path(args.trace), max_len=max_len, rate=args.rate, seed=args.seed)
+        trace = trace[: args.num_requests] if args.num_requests else trace
+        name = args.trace
+    else:
+        raise _UsageError(
+            f"unknown trace {args.trace!r}: not a preset ({', '.join(TRACES)}) nor a .jsonl file"
+        )
+
+    show = not args.quiet and sys.stderr.isatty()
+    bars: list[ProgressBar] = []
+
+    def progress(label: str) -> Callable[[int], None]:
+        if bars:
+            bars[-1].close()
+        bars.append(ProgressBar(label, len(trace), sys.stderr, enabled=show))
+        return bars[-1].update
+
+    try:
+        result = simulate(trace, config, trace_name=name, on_finish=progress)
+    finally:
+        if bars:
+            bars[-1].close()
+    print(format_json(result) if args.json else format_table(result))
+    if args.plot is not None:
+        from pagedkv.simulate.plot import write_plot
+
+        try:
+            write_plot(result, args.plot)
+        except OSError as exc:
+            raise _UsageError(f"cannot write plot {str(args.plot)!r}: {exc.strerror}") from None
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+class _UsageError(Exception):
+    """Bad input found after parsing; reported in one line."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `pagedkv` command line; return the exit status."""
+    from pagedkv.simulate.errors import ConfigError, SimulationError, TraceError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed by _Parser.error
+        return exc.code if isinstance(exc.code, int) else 0
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return _run_simulate(args)
+    except (_UsageError, ConfigError, TraceError, SimulationError) as exc:
+        print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,229 @@
+"""Paged K/V tensors: one tensor per layer in FlashInfer's NHD layout.
+
+Layer `l` is `[num_blocks, 2, block_size, num_kv_heads, head_dim]`; index 0 of dimension 1 is K,
+index 1 is V, and token slot `s` lives in block `s // block_size` at offset `s % block_size`
+(the `slot_mapping` of a `Plan`). The cache only moves bytes; which block holds what is the
+`BlockManager`'s business, and the block pairs it returns are applied here:
+
+>>> import numpy as np
+>>> cache = KVCache(2, 8, 4, 1, 2, dtype=torch.float32)
+>>> cache.copy_blocks(np.array([[0, 5]], dtype=np.int32))  # copy-on-write pair (src, dst)
+>>> cache.layer(0).shape
+torch.Size([8, 2, 4, 1, 2])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+
+class HasSlotMapping(Protocol):
+    """Anything with a `slot_mapping` (a `pagedkv.Plan`)."""
+
+    @property
+    def slot_mapping(self) -> npt.NDArray[Any]:
+        """`[tokens]` slot of each new token: `block * block_size + offset`."""
+
+
+Slots = HasSlotMapping | npt.NDArray[Any] | torch.Tensor
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """`device` with the current CUDA index filled in, so equal devices compare equal."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _pairs(name: str, pairs: npt.NDArray[Any], src_blocks: int, dst_blocks: int) -> np.ndarray:
+    """Validate an `[n, 2]` array of block pairs and return it as int64."""
+    arr = np.asarray(pairs)
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ValueError(f"{name} must have shape [n, 2], got {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if arr.size:
+        for col, (side, limit) in enumerate((("source", src_blocks), ("destination", dst_blocks))):
+            lo, hi = int(arr[:, col].min()), int(arr[:, col].max())
+            if lo < 0 or hi >= limit:
+                raise ValueError(
+                    f"{name}: {side} block ids must lie in [0, {limit}), got [{lo}, {hi}]"
+                )
+    return arr
+
+
+class KVCache:
+    """The K/V of `num_blocks` blocks for every layer, on one device.
+
+    `pin_memory=True` pins a CPU cache so swaps to and from the GPU move faster.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+        *,
+        pin_memory: bool = False,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = resolve_device(device)
+        if pin_memory and self.device.type != "cpu":
+            raise ValueError("pin_memory=True only applies to a CPU cache")
+        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+        # Zeroed rather than empty: a bug that reads an unwritten slot then shows up as a wrong
+        # number, never as a NaN that a masked softmax might hide.
+        self._layers = tuple(
+            torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+            for _ in range(num_layers)
+        )
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer: `num_blocks * block_size`."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all layers."""
+        return sum(t.numel() * t.element_size() for t in self._layers)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """The NHD tensor of `layer`, `[num_blocks, 2, block_size, num_kv_heads, head_dim]`."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
+        return self._layers[layer]
+
+    def slot_tensor(self, slots: Slots) -> torch.Tensor:
+        """Slots as an int64 tensor on this cache's device; validated when given on the host.
+
+        Call it once per step and pass the result to every layer's `write` to convert only once.
+        A device tensor is taken as is: checking its values would cost a device sync.
+        """
+        if isinstance(slots, torch.Tensor):
+            if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+                raise ValueError(
+                    "slots must be a 1-D int32/int64 tensor, "
+                    f"got {slots.dtype} {tuple(slots.shape)}"
+                )
+            if slots.device.type == "cpu":
+                return self.slot_tensor(slots.numpy())
+            if slots.device != self.device:
+                raise ValueError(f"slots are on {slots.device}, the cache on {self.device}")
+            return slots.to(torch.int64)
+        arr = np.asarray(slots if isinstance(slots, np.ndarray) else slots.slot_mapping)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(
+                f"slot_mapping must be a 1-D integer array, got {arr.dtype} {arr.shape}"
+            )
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.num_slots):
+            raise ValueError(
+                f"slot_mapping values must lie in [0, {self.num_slots}), "
+                f"got [{int(arr.min())}, {int(arr.max())}]"
+            )
+        # A pageable host source is staged before the copy call returns, so the caller may reuse
+        # the array right away and no device sync happens.
+        return torch.from_numpy(arr.astype(np.int64)).to(self.device, non_blocking=True)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: Slots) -> None:
+        """Store new tokens' `k` and `v` (`[tokens, num_kv_heads, head_dim]`) at their slots.
+
+        `slots` is a `Plan` (its `slot_mapping` is used), a numpy array, or a tensor from
+        `slot_tensor`.
+        """
+        expected = (self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != expected:
+                raise ValueError(
+                    f"{name} must have shape [tokens, {expected[0]}, {expected[1]}], "
+                    f"got {tuple(t.shape)}"
+                )
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(
+                    f"{name} is {t.dtype} on {t.device}, the cache is {self.dtype} on {self.device}"
+                )
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+        slot = self.slot_tensor(slots)
+        if slot.shape[0] != k.shape[0]:
+            raise ValueError(f"{slot.shape[0]} slots for {k.shape[0]} tokens")
+        blocks = torch.div(slot, self.block_size, rounding_mode="floor")
+        offsets = slot % self.block_size
+        # Advanced indices around a slice put the token dimension first: [tokens, 2, heads, dim].
+        self.layer(layer)[blocks, :, offsets] = torch.stack((k, v), dim=1)
+
+    def copy_blocks(self, pairs: npt.NDArray[Any]) -> None:
+        """Apply copy-on-write pairs `(src, dst)` (from `BlockManager.take_copies`), in order.
+
+        Apply them before writing the step's new K/V. Pairs are copied all at once when no
+        destination is read or written by another pair, and one by one otherwise, so a chain
+        such as `(a, b), (b, c)` has the effect of applying the pairs in order.
+        """
+        arr = _pairs("copy pairs", pairs, self.num_blocks, self.num_blocks)
+        if arr.shape[0] == 0:
+            return
+        src, dst = arr[:, 0], arr[:, 1]
+        independent = np.unique(dst).size == dst.size and not np.isin(dst, src).any()
+        groups = [arr] if independent else [arr[i : i + 1] for i in range(arr.shape[0])]
+        for group in groups:
+            s = torch.from_numpy(group[:, 0]).to(self.device)
+            d = torch.from_numpy(group[:, 1]).to(self.device)
+            for t in self._layers:
+                t[d] = t[s]
+
+    def swap_out(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> None:
+        """Copy this cache's blocks to `cpu_cache` by the `(gpu, cpu)` pairs of `swap_out`."""
+        _copy_between(self, cpu_cache, pairs, "swap_out pairs")
+
+    def swap_in(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> None:
+        """Copy `cpu_cache`'s blocks into this cache by the `(cpu, gpu)` pairs of `swap_in`."""
+        _copy_between(cpu_cache, self, pairs, "swap_in pairs")
+
+
+def _copy_between(src: KVCache, dst: KVCache, pairs: npt.NDArray[Any], name: str) -> None:
+    """Copy whole blocks `src[p[0]] -> dst[p[1]]` for every pair `p`, every layer."""
+    same = (src.num_layers, src.block_size, src.num_kv_heads, src.head_dim, src.dtype)
+    other = (dst.num_layers, dst.block_size, dst.num_kv_heads, dst.head_dim, dst.dtype)
+    if same != other:
+        raise ValueError(
+            f"caches differ in (layers, block_size, kv_heads, head_dim, dtype): {same} vs {other}"
+        )
+    if src is dst:
+        raise ValueError(f"{name}: source and destination are the same cache; use copy_blocks")
+    arr = _pairs(name, pairs, src.num_blocks, dst.num_blocks)
+    if arr.shape[0] == 0:
+        return
+    if np.unique(arr[:, 1]).size != arr.shape[0]:
+        raise ValueError(f"{name}: a destination block appears twice")
+    s = torch.from_numpy(arr[:, 0]).to(src.device)
+    d = torch.from_numpy(arr[:, 1]).to(dst.device)
+    for layer in range(src.num_layers):
+        # Blocking transfer: a device-to-host copy must land before the CPU-side scatter reads
+        # it, and swaps are rare enough that overlapping them is not worth the risk.
+        dst.layer(layer)[d] = src.layer(layer)[s].to(dst.device)

@@ -1,0 +1,180 @@
+"""Memory composition per step and the per-system summary averaged over the measured window.
+
+The four parts follow Figure 2 of the vLLM paper (Kwon et al., SOSP 2023), counted in token
+slots of the KV memory (one slot holds one token's K and V for every layer):
+
+- token states: slots holding a stored token's KV (a physical slot counts once when shared);
+- reserved: empty slots held by a running request that its future tokens will fill;
+- internal fragmentation: empty slots held by a request that it will never fill (a
+  reservation beyond the true final length, or the tail of a block past the final token);
+- external fragmentation / unused: slots held by no running request (free gaps between
+  contiguous regions, free or cached blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Composition:
+    """Where the KV memory's slots are at one step; the four parts sum to the capacity."""
+
+    token: int
+    reserved: int
+    internal: int
+    external: int
+    logical: int  # slots the live sequences would hold with no sharing at all
+
+    @property
+    def held(self) -> int:
+        """Slots held by running requests."""
+        return self.token + self.reserved + self.internal
+
+    @property
+    def capacity(self) -> int:
+        """All slots of the KV memory."""
+        return self.held + self.external
+
+
+@dataclass
+class StepLog:
+    """Per-step records of one system's run, appended by the engine."""
+
+    time: list[float] = field(default_factory=list)  # simulated seconds at the step's end
+    duration: list[float] = field(default_factory=list)
+    token: list[int] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)
+    internal: list[int] = field(default_factory=list)
+    external: list[int] = field(default_factory=list)
+    logical: list[int] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    loaded: list[bool] = field(default_factory=list)  # a request waited for admission
+
+    def record(
+        self,
+        comp: Composition,
+        *,
+        time: float,
+        duration: float,
+        seqs: int,
+        requests: int,
+        generated: int,
+        loaded: bool,
+    ) -> None:
+        """Append one step."""
+        self.time.append(time)
+        self.duration.append(duration)
+        self.token.append(comp.token)
+        self.reserved.append(comp.reserved)
+        self.internal.append(comp.internal)
+        self.external.append(comp.external)
+        self.logical.append(comp.logical)
+        self.seqs.append(seqs)
+        self.requests.append(requests)
+        self.generated.append(generated)
+        self.loaded.append(loaded)
+
+    def window(self, include_drain: bool) -> int:
+        """Number of leading steps measured: all, or up to the last step a request waited."""
+        if include_drain:
+            return len(self.loaded)
+        return 1 + max((i for i, waited in enumerate(self.loaded) if waited), default=-1)
+
+
+@dataclass(frozen=True)
+class SystemMetrics:
+    """One system's results, averaged per step over the measured window."""
+
+    name: str
+    capacity: int
+    token_share: float
+    reserved_share: float
+    internal_share: float
+    external_share: float
+    held_token_share: float  # token states / held slots, summed over the window
+    mean_seqs: float
+    peak_seqs: int
+    mean_requests: float
+    throughput: float  # generated tokens per simulated second
+    preemptions: int
+    sharing_saving: float  # 1 - held / logical slots, summed over the window
+    mean_latency_per_token: float  # (finish - arrival) / output_len, mean over requests
+    steps: int
+    window_steps: int
+    window_seconds: float
+    series_time: np.ndarray = field(repr=False, compare=False)
+    series_token: np.ndarray = field(repr=False, compare=False)
+    series_held: np.ndarray = field(repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        """The scalar results, for JSON."""
+        return {
+            "name": self.name,
+            "capacity_slots": self.capacity,
+            "token_share": self.token_share,
+            "reserved_share": self.reserved_share,
+            "internal_share": self.internal_share,
+            "external_share": self.external_share,
+            "held_token_share": self.held_token_share,
+            "mean_seqs": self.mean_seqs,
+            "peak_seqs": self.peak_seqs,
+            "mean_requests": self.mean_requests,
+            "throughput_tokens_per_s": self.throughput,
+            "preemptions": self.preemptions,
+            "sharing_saving": self.sharing_saving,
+            "mean_latency_per_token_s": self.mean_latency_per_token,
+            "steps": self.steps,
+            "window_steps": self.window_steps,
+            "window_seconds": self.window_seconds,
+        }
+
+
+def summarize(
+    name: str,
+    capacity: int,
+    log: StepLog,
+    *,
+    include_drain: bool,
+    preemptions: int,
+    latencies: list[float],
+) -> SystemMetrics:
+    """Average `log` over its measured window (see `StepLog.window`)."""
+    n = log.window(include_drain)
+    if n == 0:
+        raise ValueError(f"{name}: no step to measure (empty trace?)")
+    token = np.asarray(log.token[:n], dtype=np.float64)
+    reserved = np.asarray(log.reserved[:n], dtype=np.float64)
+    internal = np.asarray(log.internal[:n], dtype=np.float64)
+    external = np.asarray(log.external[:n], dtype=np.float64)
+    held = token + reserved + internal
+    logical = float(np.sum(log.logical[:n]))
+    seconds = float(np.sum(log.duration[:n]))
+    return SystemMetrics(
+        name=name,
+        capacity=capacity,
+        token_share=float(token.mean()) / capacity,
+        reserved_share=float(reserved.mean()) / capacity,
+        internal_share=float(internal.mean()) / capacity,
+        external_share=float(external.mean()) / capacity,
+        held_token_share=float(token.sum() / held.sum()) if held.sum() > 0 else 0.0,
+        mean_seqs=float(np.mean(log.seqs[:n])),
+        peak_seqs=int(np.max(log.seqs[:n])),
+        mean_requests=float(np.mean(log.requests[:n])),
+        throughput=float(np.sum(log.generated[:n])) / seconds if seconds > 0 else 0.0,
+        preemptions=preemptions,
+        sharing_saving=1.0 - float(held.sum()) / logical if logical > 0 else 0.0,
+        mean_latency_per_token=float(np.mean(latencies)) if latencies else 0.0,
+        steps=len(log.token),
+        window_steps=n,
+        window_seconds=seconds,
+        series_time=np.asarray(log.time, dtype=np.float64),
+        series_token=np.asarray(log.token, dtype=np.int64),
+        series_held=np.asarray(log.token, dtype=np.int64)
+        + np.asarray(log.reserved, dtype=np.int64)
+        + np.asarray(log.internal, dtype=np.int64),
+    )

@@ -1,0 +1,200 @@
+"""The paged system: the real `pagedkv.BlockManager`, driven block by block.
+
+Token states and held memory come from the manager's own `stats()`; this module only adds
+what the manager cannot know (how many tokens each sequence will still store) to split the
+empty slots of held blocks into reserved and internal fragmentation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pagedkv import BlockManager, OutOfBlocks
+from pagedkv.simulate.engine import Active
+from pagedkv.simulate.errors import SimulationError
+from pagedkv.simulate.metrics import Composition
+from pagedkv.simulate.trace import Request
+
+VOCAB = 32000  # token ids are drawn below this; any value works, only equality matters
+
+# Beam search model: at each step every beam keeps its own hypothesis with this probability
+# and otherwise continues a uniformly chosen beam of the same request (a fork of it). This is
+# our assumption of how often beams are overtaken; it sets how much history beams share.
+BEAM_KEEP_PROBABILITY = 0.5
+
+
+def _output_tokens(seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The token each sequence stores at each position (deterministic, so recompute matches)."""
+    mixed = seq_ids.astype(np.uint64) * np.uint64(2654435761) + positions.astype(np.uint64)
+    return (mixed % np.uint64(VOCAB)).astype(np.uint32)
+
+
+class PromptTokens:
+    """Seeded prompt token ids; requests with one `prefix_id` share that prefix's tokens."""
+
+    def __init__(self, trace: Sequence[Request], seed: int) -> None:
+        self._trace = trace
+        self._seed = seed
+        self._prefix_index: dict[str, int] = {}
+        for request in trace:
+            if request.prefix_id is not None:
+                self._prefix_index.setdefault(request.prefix_id, len(self._prefix_index))
+
+    def __call__(self, index: int) -> np.ndarray:
+        """Prompt of request `index`."""
+        request = self._trace[index]
+        own = np.random.default_rng([self._seed, 0, index])
+        tokens = own.integers(0, VOCAB, size=request.prompt_len, dtype=np.uint32)
+        if request.prefix_id is not None:
+            prefix = np.random.default_rng([self._seed, 1, self._prefix_index[request.prefix_id]])
+            tokens[: request.prefix_len] = prefix.integers(
+                0, VOCAB, size=request.prefix_len, dtype=np.uint32
+            )
+        return tokens
+
+
+class PagedSystem:
+    """KV memory in blocks of `block_size` slots, managed by `pagedkv.BlockManager`.
+
+    A request with `n > 1` samples or beams allocates its prompt once and forks one sequence
+    per sample or beam, so the prompt's full blocks are shared; beams fork each other as
+    they advance (see BEAM_KEEP_PROBABILITY). Prefix caching is on, so requests that share a
+    `prefix_id` share those blocks too. Admission asks `can_allocate` (which keeps the
+    manager's watermark free for the growth of running sequences).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        trace: Sequence[Request],
+        *,
+        beam: bool,
+        seed: int,
+        watermark: float = 0.01,
+        name: str = "paged",
+    ) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.capacity = num_blocks * block_size
+        self.manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching=True, watermark=watermark
+        )
+        self._prompt = PromptTokens(trace, seed)
+        self._beam = beam
+        self._rng = np.random.default_rng([seed, 2])
+        self._seqs: dict[int, list[int]] = {}  # request index -> live sequence ids
+        self._next_seq = 0
+
+    def _new_seq_id(self) -> int:
+        self._next_seq += 1
+        return self._next_seq - 1
+
+    def admit(self, active: Active) -> int | None:
+        """Allocate the prompt (and, after a preemption, the tokens already generated)."""
+        prompt = self._prompt(active.index)
+        seqs = self._seqs.get(active.index)
+        if seqs is None:  # first admission: one allocation, the other sequences fork it
+            if not self.manager.can_allocate(prompt):
+                return None
+            first = self._new_seq_id()
+            cached = self.manager.allocate(first, prompt)
+            seqs = [first]
+            for _ in range(active.width - 1):
+                child = self._new_seq_id()
+                self.manager.fork(first, child)
+                seqs.append(child)
+            self._seqs[active.index] = seqs
+            return len(prompt) - cached
+        # Recompute after preemption: each sequence is rebuilt from the prompt and its own
+        # generated tokens; the prefix cache shares the prompt's full blocks among them.
+        generated = np.arange(len(prompt), active.length)
+        histories = [
+            np.concatenate([prompt, _output_tokens(np.full_like(generated, s), generated)])
+            for s in seqs
+        ]
+        if not self.manager.can_allocate(histories[0]):
+            return None
+        computed = 0
+        for i, (seq, tokens) in enumerate(zip(seqs, histories, strict=True)):
+            try:
+                computed += len(tokens) - self.manager.allocate(seq, tokens)
+            except OutOfBlocks:
+                for done in seqs[:i]:
+                    self.manager.free(done)
+                return None
+        return computed
+
+    def _reshuffle_beams(self, active: Active) -> None:
+        """Advance one request's beams: some continue another beam instead of their own."""
+        seqs = self._seqs[active.index]
+        old = list(seqs)
+        for slot in range(len(seqs)):
+            if self._rng.random() < BEAM_KEEP_PROBABILITY:
+                continue
+            parent = int(self._rng.integers(len(old)))
+            if parent != slot:
+                seqs[slot] = self._new_seq_id()
+                self.manager.fork(old[parent], seqs[slot])
+        for before, after in zip(old, seqs, strict=True):
+            if before != after:
+                self.manager.free(before)
+
+    def decode(self, running: Sequence[Active]) -> list[Active]:
+        """One `step` over every sequence; on OutOfBlocks preempt the latest request, retry."""
+        if self._beam:
+            for active in running:
+                self._reshuffle_beams(active)
+        batch = list(running)
+        preempted: list[Active] = []
+        while True:
+            ids = np.fromiter((s for a in batch for s in self._seqs[a.index]), dtype=np.int64)
+            positions = np.fromiter(
+                (a.length for a in batch for _ in self._seqs[a.index]), dtype=np.int64
+            )
+            try:
+                self.manager.step(ids, _output_tokens(ids, positions))
+                return preempted
+            except OutOfBlocks:
+                if len(batch) == 1:
+                    raise SimulationError(
+                        f"{self.name}: request {batch[0].index} alone outgrows the KV memory "
+                        f"({self.capacity} token slots)"
+                    ) from None
+                victim = batch.pop()
+                for seq in self._seqs[victim.index]:  # ids kept: admit() recomputes them
+                    self.manager.free(seq)
+                preempted.append(victim)
+
+    def release(self, active: Active) -> None:
+        """Free every sequence of a finished request."""
+        for seq in self._seqs.pop(active.index):
+            self.manager.free(seq)
+
+    def composition(self, running: Sequence[Active]) -> Composition:
+        """Token states and held blocks from the manager's stats; the split of empty slots.
+
+        The empty slots of held blocks are the tails of sequences' last blocks (no partial
+        block is shared after a step: a shared one is copied on the first write). A tail
+        slot is reserved if the sequence will still fill it, internal fragmentation if not.
+        """
+        stats = self.manager.stats()
+        bs = self.block_size
+        held = stats.num_held * bs
+        token = round(stats.token_usage * held)
+        internal = logical = 0
+        for active in running:
+            blocks = -(-active.length // bs)
+            tail = blocks * bs - active.length
+            internal += active.width * max(0, tail - active.remaining)
+            logical += active.width * blocks * bs
+        reserved = held - token - internal
+        if reserved < 0:
+            raise RuntimeError(
+                f"{self.name}: accounting broke: {held} held slots, {token} tokens, "
+                f"{internal} internal"
+            )
+        external = (stats.num_free + stats.num_cached) * bs
+        return Composition(token, reserved, internal, external, logical=logical)

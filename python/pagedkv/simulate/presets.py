@@ -1,0 +1,132 @@
+"""Named traces, models and GPUs for the simulator, each with the source of its numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.simulate.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TracePreset:
+    """Published length statistics of a request trace; the simulator draws synthetic requests."""
+
+    name: str
+    mean_prompt: float
+    mean_output: float
+    source: str
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A model as the simulator sees it: KV bytes per token, weight bytes and context length."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: float
+    max_len: int
+    source: str
+    dtype_bytes: int = 2  # fp16 / bf16 weights and KV
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of weights read once per decode step."""
+        return self.num_params * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    """A GPU's memory size, memory bandwidth and dense 16-bit tensor throughput."""
+
+    name: str
+    memory_bytes: int
+    bandwidth: float  # bytes per second
+    flops: float  # dense fp16/bf16 FLOP/s
+    source: str
+
+
+_MIB = 1 << 20
+
+TRACES: dict[str, TracePreset] = {
+    t.name: t
+    for t in (
+        TracePreset(
+            "sharegpt",
+            161.31,
+            337.99,
+            "ShareGPT conversations; means as reported by Kwon et al., 'Efficient Memory "
+            "Management for Large Language Model Serving with PagedAttention', SOSP 2023, Fig. 11",
+        ),
+        TracePreset(
+            "alpaca",
+            19.31,
+            58.45,
+            "Alpaca instructions; means as reported by Kwon et al., SOSP 2023, Fig. 11",
+        ),
+        TracePreset(
+            "azure-conv",
+            1155.0,
+            211.0,
+            "Azure LLM inference trace 2023, conversation service (Patel et al., 'Splitwise', "
+            "ISCA 2024; github.com/Azure/AzurePublicDataset)",
+        ),
+        TracePreset(
+            "azure-code",
+            2048.0,
+            28.0,
+            "Azure LLM inference trace 2023, coding service (Patel et al., 'Splitwise', "
+            "ISCA 2024; github.com/Azure/AzurePublicDataset)",
+        ),
+    )
+}
+
+MODELS: dict[str, ModelPreset] = {
+    m.name: m
+    for m in (
+        ModelPreset("OPT-13B", 40, 40, 128, 12.85e9, 2048, "facebook/opt-13b config.json"),
+        ModelPreset(
+            "Llama-2-7B", 32, 32, 128, 6.74e9, 4096, "meta-llama/Llama-2-7b-hf config.json"
+        ),
+        ModelPreset(
+            "Llama-3-8B", 32, 8, 128, 8.03e9, 8192, "meta-llama/Meta-Llama-3-8B config.json"
+        ),
+        ModelPreset(
+            "Llama-3-70B", 80, 8, 128, 70.55e9, 8192, "meta-llama/Meta-Llama-3-70B config.json"
+        ),
+        ModelPreset("Qwen2.5-7B", 28, 4, 128, 7.62e9, 32768, "Qwen/Qwen2.5-7B config.json"),
+    )
+}
+
+GPUS: dict[str, GpuPreset] = {
+    g.name: g
+    for g in (
+        GpuPreset("A100-40GB", 40960 * _MIB, 1.555e12, 312e12, "NVIDIA A100 datasheet (SXM)"),
+        GpuPreset("A100-80GB", 81920 * _MIB, 2.039e12, 312e12, "NVIDIA A100 datasheet (SXM)"),
+        GpuPreset("H100-80GB", 81559 * _MIB, 3.35e12, 989e12, "NVIDIA H100 datasheet (SXM)"),
+        GpuPreset("H200", 143771 * _MIB, 4.8e12, 989e12, "NVIDIA H200 datasheet (SXM)"),
+    )
+}
+
+# Share of GPU memory a server may use at all; the rest is for the CUDA context and
+# activations (vLLM's default `gpu_memory_utilization`).
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def default_kv_memory(model: ModelPreset, gpu: GpuPreset, num_gpus: int = 1) -> int:
+    """KV memory left on `num_gpus` GPUs after the weights: utilization * memory - weights."""
+    if num_gpus < 1:
+        raise ConfigError(f"num_gpus must be at least 1, got {num_gpus}")
+    left = int(GPU_MEMORY_UTILIZATION * gpu.memory_bytes * num_gpus - model.weight_bytes)
+    if left <= 0:
+        raise ConfigError(
+            f"{model.name} weights ({model.weight_bytes / 1e9:.1f} GB) do not fit in "
+            f"{num_gpus} x {gpu.name}; use more GPUs (--gpus) or give --kv-memory"
+        )
+    return left

@@ -1,0 +1,200 @@
+"""One comparison: the paged system and the contiguous baselines on the same trace and memory."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedkv.simulate.contiguous import (
+    ContiguousSystem,
+    ReservationPolicy,
+    reserve_max,
+    reserve_oracle,
+    reserve_pow2,
+)
+from pagedkv.simulate.engine import KVSystem, run
+from pagedkv.simulate.errors import ConfigError
+from pagedkv.simulate.metrics import SystemMetrics
+from pagedkv.simulate.paged import PagedSystem
+from pagedkv.simulate.presets import GpuPreset, ModelPreset
+from pagedkv.simulate.timing import StepTimeModel
+from pagedkv.simulate.trace import Request
+
+# System key -> the label shown in reports.
+SYSTEMS: dict[str, str] = {
+    "paged": "paged (pagedkv)",
+    "max": "contiguous max",
+    "pow2": "contiguous pow2",
+    "oracle": "contiguous oracle",
+}
+_POLICIES: dict[str, ReservationPolicy] = {
+    "max": reserve_max,
+    "pow2": reserve_pow2,
+    "oracle": reserve_oracle,
+}
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """Everything a comparison depends on besides the trace."""
+
+    model: ModelPreset
+    gpu: GpuPreset
+    kv_memory: int  # bytes of KV memory, the same for every system
+    block_size: int = 16
+    max_len: int = 0  # 0: the model's context length
+    n: int = 1  # parallel samples per request
+    beam_width: int = 1
+    num_gpus: int = 1
+    seed: int = 0
+    include_drain: bool = False
+    watermark: float = 0.01
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+
+    def __post_init__(self) -> None:
+        if self.max_len == 0:
+            object.__setattr__(self, "max_len", self.model.max_len)
+        checks = [
+            (self.kv_memory > 0, f"KV memory must be positive, got {self.kv_memory} bytes"),
+            (self.block_size >= 1, f"block size must be positive, got {self.block_size}"),
+            (self.max_len >= 2, f"max length must be at least 2, got {self.max_len}"),
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.beam_width >= 1, f"beam width must be at least 1, got {self.beam_width}"),
+            (
+                self.n == 1 or self.beam_width == 1,
+                "choose parallel sampling (n) or beam search, not both",
+            ),
+            (self.num_gpus >= 1, f"number of GPUs must be at least 1, got {self.num_gpus}"),
+            (self.seed >= 0, f"seed must not be negative, got {self.seed}"),
+            (0 <= self.watermark < 1, f"watermark must be in [0, 1), got {self.watermark}"),
+            (len(self.systems) > 0, "no system to simulate"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        for key in self.systems:
+            if key not in SYSTEMS:
+                raise ConfigError(f"unknown system {key!r} (choose from {', '.join(SYSTEMS)})")
+        if self.num_blocks < 1:
+            raise ConfigError(
+                f"KV memory of {self.kv_memory} bytes holds no block of {self.block_size} "
+                f"tokens ({self.model.kv_bytes_per_token} bytes each)"
+            )
+        if "max" in self.systems and self.width * self.max_len > self.capacity:
+            raise ConfigError(
+                f"KV memory holds {self.capacity} token slots, fewer than one max-length "
+                f"request ({self.width} x {self.max_len}); lower --max-len or add memory"
+            )
+
+    @property
+    def width(self) -> int:
+        """Sequences per request."""
+        return max(self.n, self.beam_width)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the KV memory holds."""
+        return self.kv_memory // (self.model.kv_bytes_per_token * self.block_size)
+
+    @property
+    def capacity(self) -> int:
+        """Token slots of the KV memory, the same for every system (whole blocks)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def timing(self) -> StepTimeModel:
+        """The step-time model for this model and hardware."""
+        return StepTimeModel.for_hardware(self.model, self.gpu, self.num_gpus)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """The metrics of every system, with what they were measured on."""
+
+    trace_name: str
+    trace: Sequence[Request] = field(repr=False)
+    config: SimulationConfig
+    systems: list[SystemMetrics]
+
+    def as_dict(self) -> dict[str, object]:
+        """Settings, trace summary and per-system scalars, for JSON."""
+        c = self.config
+        return {
+            "trace": {
+                "name": self.trace_name,
+                "requests": len(self.trace),
+                "mean_prompt_len": float(np.mean([r.prompt_len for r in self.trace])),
+                "mean_output_len": float(np.mean([r.output_len for r in self.trace])),
+            },
+            "config": {
+                "model": c.model.name,
+                "gpu": c.gpu.name,
+                "num_gpus": c.num_gpus,
+                "kv_memory_bytes": c.kv_memory,
+                "kv_bytes_per_token": c.model.kv_bytes_per_token,
+                "block_size": c.block_size,
+                "num_blocks": c.num_blocks,
+                "capacity_slots": c.capacity,
+                "max_len": c.max_len,
+                "n": c.n,
+                "beam_width": c.beam_width,
+                "seed": c.seed,
+                "include_drain": c.include_drain,
+                "watermark": c.watermark,
+            },
+            "systems": [m.as_dict() for m in self.systems],
+        }
+
+
+def build_system(key: str, trace: Sequence[Request], config: SimulationConfig) -> KVSystem:
+    """A fresh system `key` over the configured KV memory."""
+    if key == "paged":
+        return PagedSystem(
+            config.num_blocks,
+            config.block_size,
+            trace,
+            beam=config.beam_width > 1,
+            seed=config.seed,
+            watermark=config.watermark,
+            name=SYSTEMS[key],
+        )
+    return ContiguousSystem(SYSTEMS[key], config.capacity, _POLICIES[key], config.max_len)
+
+
+def simulate(
+    trace: Sequence[Request],
+    config: SimulationConfig,
+    *,
+    trace_name: str = "trace",
+    on_finish: Callable[[str], Callable[[int], None] | None] | None = None,
+) -> SimulationResult:
+    """Run every configured system through `trace` (sorted by arrival).
+
+    `on_finish(label)` may return a callback told how many requests finish at each step
+    (for a progress bar).
+    """
+    if any(a.arrival > b.arrival for a, b in itertools.pairwise(trace)):
+        raise ConfigError("the trace must be sorted by arrival time")
+    too_long = [i for i, r in enumerate(trace) if r.final_len > config.max_len]
+    if too_long:
+        r = trace[too_long[0]]
+        raise ConfigError(
+            f"request {too_long[0]} has {r.final_len} tokens, over the max length {config.max_len}"
+        )
+    results = []
+    for key in config.systems:
+        system = build_system(key, trace, config)
+        results.append(
+            run(
+                system,
+                trace,
+                width=config.width,
+                timing=config.timing,
+                include_drain=config.include_drain,
+                on_finish=on_finish(system.name) if on_finish is not None else None,
+            )
+        )
+    return SimulationResult(trace_name, trace, config, results)

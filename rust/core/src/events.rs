@@ -1,0 +1,69 @@
+//! Prefix-cache events for KV-aware routers: what entered and left the cache, in order.
+
+use crate::prefix::BlockHash;
+use crate::sync::{lock, Mutex};
+use crate::Token;
+
+/// One change of the prefix cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// Position in the manager's event stream, starting at 0, one per event.
+    pub seq_no: u64,
+    /// What happened.
+    pub kind: EventKind,
+}
+
+/// The kinds of prefix-cache change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// A full block was registered under `block_hash`.
+    BlockStored {
+        /// The block's chained hash.
+        block_hash: BlockHash,
+        /// The previous block's hash, `None` for a sequence's first block.
+        parent_hash: Option<BlockHash>,
+        /// The block's tokens.
+        token_ids: Vec<Token>,
+    },
+    /// A cached block was evicted.
+    BlockRemoved {
+        /// The hash it was registered under.
+        block_hash: BlockHash,
+    },
+    /// `reset_prefix_cache` dropped every registration.
+    AllBlocksCleared,
+}
+
+/// The pending events, recorded only when enabled (so nothing grows unread).
+pub(crate) struct EventLog {
+    enabled: bool,
+    log: Mutex<(u64, Vec<Event>)>,
+}
+
+impl EventLog {
+    /// A log that records iff `enabled`.
+    pub(crate) fn new(enabled: bool) -> EventLog {
+        EventLog {
+            enabled,
+            log: Mutex::new((0, Vec::new())),
+        }
+    }
+
+    /// Records an event built by `kind` (not called at all when disabled).
+    pub(crate) fn record(&self, kind: impl FnOnce() -> EventKind) {
+        if self.enabled {
+            let mut log = lock(&self.log);
+            let seq_no = log.0;
+            log.0 += 1;
+            log.1.push(Event {
+                seq_no,
+                kind: kind(),
+            });
+        }
+    }
+
+    /// Removes and returns the pending events.
+    pub(crate) fn take(&self) -> Vec<Event> {
+        std::mem::take(&mut lock(&self.log).1)
+    }
+}

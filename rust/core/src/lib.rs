@@ -1,0 +1,58 @@
+//! A lock-free paged KV-cache block manager for LLM serving (PagedAttention).
+//!
+//! The KV cache is cut into fixed-size blocks stored anywhere in a pool; each sequence has a
+//! block table mapping its logical positions to physical blocks. Full blocks are shared between
+//! sequences with the same prefix (chained keyed hashes), forks share blocks copy-on-write,
+//! unreferenced cached blocks are evicted least recently released first, and sequences can be
+//! swapped to a CPU pool. Each step's attention inputs come out as one [`Plan`].
+//!
+//! ```
+//! use pagedkv::{BlockManager, Config, Plan};
+//!
+//! let mgr = BlockManager::new(Config::new(64, 16)).unwrap();
+//! let system: Vec<u32> = (0..40).collect();
+//! assert_eq!(mgr.allocate(1, &system, None).unwrap(), 0);
+//! // A second request with the same 32-token prefix reuses its two full blocks.
+//! assert_eq!(mgr.allocate(2, &system, None).unwrap(), 32);
+//!
+//! let mut plan = Plan::new();
+//! mgr.step(&[1, 2], &[7, 7], &mut plan).unwrap(); // one decode token each
+//! assert_eq!(plan.kv_indptr, vec![0, 3, 6]);
+//! assert_eq!(plan.kv_last_page_len, vec![9, 9]);
+//! mgr.free(1).unwrap();
+//! mgr.free(2).unwrap();
+//! mgr.check().unwrap();
+//! ```
+//!
+//! Exact semantics of every operation: `SEMANTICS.md` in the crate.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+mod block;
+mod error;
+mod events;
+mod free_list;
+mod lru;
+mod manager;
+mod plan;
+mod pool;
+mod prefix;
+mod sequence;
+mod stats;
+mod sync;
+
+pub use error::{Error, PoolKind};
+pub use events::{Event, EventKind};
+pub use manager::{BlockManager, Config};
+pub use plan::Plan;
+pub use pool::BlockPool;
+pub use prefix::BlockHash;
+pub use stats::Stats;
+
+/// Physical block id, `0..num_blocks`.
+pub type BlockId = u32;
+/// Caller-chosen sequence id.
+pub type SeqId = u64;
+/// Token id.
+pub type Token = u32;

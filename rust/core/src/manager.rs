@@ -1,0 +1,838 @@
+//! `BlockManager`: sequences, prefix reuse, copy-on-write, swapping and plans on top of the
+//! block pool. Exact semantics: `SEMANTICS.md` beside the crate.
+
+use crate::block::BlockState;
+use crate::error::{invalid, violated};
+use crate::events::{EventKind, EventLog};
+use crate::plan::Plan;
+use crate::pool::{BlockPool, Hit, Released};
+use crate::prefix::{BlockHash, PrefixCache};
+use crate::sequence::{Batch, Sequence, SequenceMap};
+use crate::stats::{Counters, Stats};
+use crate::sync::{lock, AtomicU64, Mutex, Ordering};
+use crate::{BlockId, Error, PoolKind, SeqId, Token};
+
+/// The most tokens one sequence may hold: positions and slots are int32.
+const MAX_TOKENS: usize = i32::MAX as usize;
+
+/// How a `BlockManager` is built.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Blocks in the GPU pool.
+    pub num_blocks: u32,
+    /// Token slots per block.
+    pub block_size: u32,
+    /// Blocks in the CPU pool that `swap_out` moves sequences to (0: no swapping).
+    pub num_cpu_blocks: u32,
+    /// Reuse full blocks across sequences with the same prefix.
+    pub enable_prefix_caching: bool,
+    /// Fraction of the GPU pool `can_allocate` keeps free for running sequences to grow.
+    pub watermark: f64,
+    /// Key of the block hash; `None` draws a random one (pass one to share hashes across
+    /// processes, e.g. for a KV-aware router).
+    pub hash_key: Option<[u8; 32]>,
+    /// Record prefix-cache events for `take_events`.
+    pub enable_events: bool,
+}
+
+impl Config {
+    /// `num_blocks` blocks of `block_size` tokens with the defaults: no CPU pool, prefix
+    /// caching on, watermark 0.01, random hash key, no events.
+    pub fn new(num_blocks: u32, block_size: u32) -> Config {
+        Config {
+            num_blocks,
+            block_size,
+            num_cpu_blocks: 0,
+            enable_prefix_caching: true,
+            watermark: 0.01,
+            hash_key: None,
+            enable_events: false,
+        }
+    }
+
+    fn validate(&self) -> Result<(), Error> {
+        if self.num_blocks == 0 {
+            return Err(invalid("num_blocks must be at least 1"));
+        }
+        if self.block_size == 0 {
+            return Err(invalid("block_size must be at least 1"));
+        }
+        for (name, blocks) in [
+            ("num_blocks", self.num_blocks),
+            ("num_cpu_blocks", self.num_cpu_blocks),
+        ] {
+            if u64::from(blocks) * u64::from(self.block_size) > i32::MAX as u64 {
+                return Err(invalid(format!(
+                    "{name} * block_size = {} exceeds the int32 slot range",
+                    u64::from(blocks) * u64::from(self.block_size)
+                )));
+            }
+        }
+        if !(0.0..1.0).contains(&self.watermark) {
+            return Err(invalid(format!(
+                "watermark must be in [0, 1), got {}",
+                self.watermark
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The paged KV-cache block manager. `Send + Sync`; every method takes `&self`, and different
+/// sequences may be driven from different threads at once.
+pub struct BlockManager {
+    config: Config,
+    block_size: usize,
+    watermark_blocks: usize,
+    gpu: BlockPool,
+    cpu: BlockPool,
+    prefix: Option<PrefixCache>,
+    seqs: SequenceMap,
+    copies: Mutex<Vec<[BlockId; 2]>>,
+    events: EventLog,
+    counters: Counters,
+    stamps: AtomicU64,
+}
+
+/// The outcome of a prefix lookup: every full block's hash and the verified hits.
+struct Lookup {
+    root: BlockHash,
+    hashes: Vec<BlockHash>,
+    hits: Vec<(BlockId, BlockState)>,
+    cached_hits: usize,
+}
+
+impl BlockManager {
+    /// A manager with every block FREE.
+    pub fn new(config: Config) -> Result<BlockManager, Error> {
+        config.validate()?;
+        let prefix = if config.enable_prefix_caching {
+            let key = match config.hash_key {
+                Some(key) => key,
+                None => {
+                    let mut key = [0u8; 32];
+                    getrandom::fill(&mut key).map_err(|e| {
+                        invalid(format!(
+                            "no OS randomness for the hash key ({e}); pass hash_key"
+                        ))
+                    })?;
+                    key
+                }
+            };
+            Some(PrefixCache::new(key, config.num_blocks, config.block_size))
+        } else {
+            None
+        };
+        Ok(BlockManager {
+            block_size: config.block_size as usize,
+            watermark_blocks: (config.watermark * f64::from(config.num_blocks)) as usize,
+            gpu: BlockPool::new(config.num_blocks),
+            cpu: BlockPool::new(config.num_cpu_blocks),
+            prefix,
+            seqs: SequenceMap::new(),
+            copies: Mutex::new(Vec::new()),
+            events: EventLog::new(config.enable_events),
+            counters: Counters::default(),
+            stamps: AtomicU64::new(0),
+            config,
+        })
+    }
+
+    /// The configuration the manager was built with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Admits sequence `seq` with its prompt, reusing cached full blocks of the same prefix
+    /// (and `salt`); returns how many prompt tokens were reused.
+    pub fn allocate(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+    ) -> Result<usize, Error> {
+        if tokens.is_empty() {
+            return Err(invalid("allocate needs at least one token"));
+        }
+        check_room(0, tokens.len())?;
+        let mut batch = self.seqs.lock(&[seq]);
+        if batch.contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let bs = self.block_size;
+        let pages = tokens.len().div_ceil(bs);
+        let found = loop {
+            let found = self.lookup(tokens, salt);
+            let needed = pages - found.hits.len() + found.cached_hits;
+            self.reserve_gpu(needed)?;
+            let mut table = Vec::with_capacity(pages);
+            let mut used = 0;
+            for &(block, seen) in &found.hits {
+                match self.gpu.acquire_hit(block, seen) {
+                    Some(Hit::Shared) => {}
+                    Some(Hit::Revived) => used += 1,
+                    None => break,
+                }
+                table.push(block);
+            }
+            if table.len() < found.hits.len() {
+                // Another thread changed a matched block between lookup and acquire: undo, retry.
+                self.release_gpu_blocks(&table);
+                self.gpu.unreserve(needed - used);
+                continue;
+            }
+            while table.len() < pages {
+                table.push(self.take_fresh());
+                used += 1;
+            }
+            self.gpu.unreserve(needed - used);
+            break (found, table);
+        };
+        let (found, table) = found;
+        let hit_blocks = found.hits.len();
+        let mut sequence = Sequence {
+            tokens: tokens.to_vec(),
+            table,
+            hashes: found.hashes,
+            root: found.root,
+            swapped: false,
+            stamp: 0,
+        };
+        for i in hit_blocks..pages {
+            self.gpu
+                .set_fill(sequence.table[i], fill_of(i, tokens.len(), bs));
+        }
+        self.register_full(&mut sequence, hit_blocks..tokens.len() / bs);
+        Counters::add(&self.counters.prefix_query_tokens, tokens.len() as u64);
+        Counters::add(&self.counters.prefix_hit_tokens, (hit_blocks * bs) as u64);
+        batch.insert(seq, sequence);
+        Ok(hit_blocks * bs)
+    }
+
+    /// Whether a prompt could be admitted now while keeping the watermark in reserve.
+    pub fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
+        if tokens.is_empty() || tokens.len() > MAX_TOKENS {
+            return false;
+        }
+        let found = self.lookup(tokens, salt);
+        let needed = tokens.len().div_ceil(self.block_size) - found.hits.len() + found.cached_hits;
+        self.gpu.available() >= needed + self.watermark_blocks
+    }
+
+    /// Appends tokens to a running sequence, copying a shared last block on write.
+    pub fn append(&self, seq: SeqId, tokens: &[Token]) -> Result<(), Error> {
+        if tokens.is_empty() {
+            return Err(invalid("append needs at least one token"));
+        }
+        let mut batch = self.seqs.lock(&[seq]);
+        let s = batch.get(seq).ok_or(Error::UnknownSequence(seq))?;
+        if s.swapped {
+            return Err(Error::SwappedOut(seq));
+        }
+        check_room(s.tokens.len(), tokens.len())?;
+        let needed = self.blocks_to_append(s, tokens.len());
+        self.reserve_gpu(needed)?;
+        let used = self.append_reserved(s, tokens);
+        self.gpu.unreserve(needed - used);
+        Ok(())
+    }
+
+    /// One decode step: appends `tokens[i]` to `seqs[i]` for the whole batch (all or nothing),
+    /// then writes the plan for one query token per sequence into `plan`.
+    pub fn step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
+        if seqs.len() != tokens.len() {
+            return Err(invalid(format!(
+                "step got {} sequences but {} tokens",
+                seqs.len(),
+                tokens.len()
+            )));
+        }
+        let stamp = self.next_stamp();
+        let mut batch = self.seqs.lock(seqs);
+        let mut needed = 0;
+        let mut max_blocks = 0;
+        for &id in seqs {
+            let s = visit(&mut batch, id, stamp, false)?;
+            check_room(s.tokens.len(), 1)?;
+            needed += self.blocks_to_append(s, 1);
+            max_blocks = max_blocks.max((s.tokens.len() + 1).div_ceil(self.block_size));
+        }
+        self.reserve_gpu(needed)?;
+        plan.begin(seqs.len(), max_blocks);
+        let mut used = 0;
+        for (&id, &token) in seqs.iter().zip(tokens) {
+            let s = batch.get(id).expect("validated above");
+            used += self.append_reserved(s, &[token]);
+            plan.push(&s.table, s.tokens.len(), 1, self.block_size);
+        }
+        self.gpu.unreserve(needed - used);
+        Ok(())
+    }
+
+    /// Writes the plan for any batch into `plan`: sequence `seqs[i]`'s last `query_lens[i]`
+    /// tokens are the queries (prefill, chunked prefill, decode or a mix).
+    pub fn plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
+        if seqs.len() != query_lens.len() {
+            return Err(invalid(format!(
+                "plan got {} sequences but {} query lengths",
+                seqs.len(),
+                query_lens.len()
+            )));
+        }
+        let stamp = self.next_stamp();
+        let mut batch = self.seqs.lock(seqs);
+        let mut max_blocks = 0;
+        for (&id, &q) in seqs.iter().zip(query_lens) {
+            let s = visit(&mut batch, id, stamp, false)?;
+            if q == 0 || q as usize > s.tokens.len() {
+                return Err(invalid(format!(
+                    "query length {q} of sequence {id} must be in 1..={}",
+                    s.tokens.len()
+                )));
+            }
+            max_blocks = max_blocks.max(s.table.len());
+        }
+        plan.begin(seqs.len(), max_blocks);
+        for (&id, &q) in seqs.iter().zip(query_lens) {
+            let s = batch.get(id).expect("validated above");
+            plan.push(&s.table, s.tokens.len(), q as usize, self.block_size);
+        }
+        Ok(())
+    }
+
+    /// Makes `child` a copy of `parent` that shares all its blocks (copy-on-write).
+    pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<(), Error> {
+        let mut batch = self.seqs.lock(&[parent, child]);
+        let p = batch.get(parent).ok_or(Error::UnknownSequence(parent))?;
+        if p.swapped {
+            return Err(Error::SwappedOut(parent));
+        }
+        let mut copy = p.clone();
+        if batch.contains(child) {
+            return Err(Error::DuplicateSequence(child));
+        }
+        copy.stamp = 0;
+        for &block in &copy.table {
+            self.gpu.share_held(block);
+        }
+        batch.insert(child, copy);
+        Ok(())
+    }
+
+    /// Ends a sequence and releases its blocks, last block first.
+    pub fn free(&self, seq: SeqId) -> Result<(), Error> {
+        let mut batch = self.seqs.lock(&[seq]);
+        let s = batch.remove(seq).ok_or(Error::UnknownSequence(seq))?;
+        if s.swapped {
+            for &block in s.table.iter().rev() {
+                self.cpu.release_block(block);
+            }
+        } else {
+            self.release_gpu_blocks(&s.table);
+        }
+        Ok(())
+    }
+
+    /// Removes and returns the pending copy-on-write pairs `[src, dst]`, oldest first. Apply them
+    /// to the KV tensors before writing the step's new KV.
+    pub fn take_copies(&self) -> Vec<[BlockId; 2]> {
+        std::mem::take(&mut *lock(&self.copies))
+    }
+
+    /// Moves the sequences to the CPU pool; returns the `[gpu, cpu]` block pairs to copy (a
+    /// block shared by several of them is copied once).
+    pub fn swap_out(&self, seqs: &[SeqId]) -> Result<Vec<[BlockId; 2]>, Error> {
+        self.swap(seqs, false)
+    }
+
+    /// Brings swapped-out sequences back to the GPU pool; returns the `[cpu, gpu]` pairs.
+    pub fn swap_in(&self, seqs: &[SeqId]) -> Result<Vec<[BlockId; 2]>, Error> {
+        self.swap(seqs, true)
+    }
+
+    /// The sequence's GPU block table.
+    pub fn block_table(&self, seq: SeqId) -> Result<Vec<BlockId>, Error> {
+        let mut batch = self.seqs.lock(&[seq]);
+        let s = batch.get(seq).ok_or(Error::UnknownSequence(seq))?;
+        if s.swapped {
+            return Err(Error::SwappedOut(seq));
+        }
+        Ok(s.table.clone())
+    }
+
+    /// Number of tokens in the sequence.
+    pub fn num_tokens(&self, seq: SeqId) -> Result<usize, Error> {
+        let mut batch = self.seqs.lock(&[seq]);
+        Ok(batch
+            .get(seq)
+            .ok_or(Error::UnknownSequence(seq))?
+            .tokens
+            .len())
+    }
+
+    /// The sequence's tokens.
+    pub fn tokens(&self, seq: SeqId) -> Result<Vec<Token>, Error> {
+        let mut batch = self.seqs.lock(&[seq]);
+        Ok(batch
+            .get(seq)
+            .ok_or(Error::UnknownSequence(seq))?
+            .tokens
+            .clone())
+    }
+
+    /// Whether `seq` is live (on the GPU or swapped out).
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.seqs.lock(&[seq]).contains(seq)
+    }
+
+    /// Number of live sequences.
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Whether no sequence is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Block counts, token usage and prefix-cache counters.
+    pub fn stats(&self) -> Stats {
+        let num_blocks = self.gpu.num_blocks();
+        let num_free = self.gpu.num_free();
+        let num_cached = self.gpu.num_cached();
+        let num_held = num_blocks.saturating_sub(num_free + num_cached);
+        let stored_tokens = self.gpu.stored_tokens();
+        let slots = num_held * self.block_size;
+        Stats {
+            num_blocks,
+            num_free,
+            num_cached,
+            num_held,
+            usage: num_held as f64 / num_blocks as f64,
+            token_usage: if slots == 0 {
+                0.0
+            } else {
+                stored_tokens as f64 / slots as f64
+            },
+            stored_tokens,
+            prefix_query_tokens: Counters::get(&self.counters.prefix_query_tokens),
+            prefix_hit_tokens: Counters::get(&self.counters.prefix_hit_tokens),
+            evictions: Counters::get(&self.counters.evictions),
+        }
+    }
+
+    /// Removes and returns the recorded prefix-cache events (empty unless `enable_events`).
+    pub fn take_events(&self) -> Vec<crate::Event> {
+        self.events.take()
+    }
+
+    /// Drops every prefix-cache registration: CACHED blocks become FREE, held blocks stay
+    /// held but are no longer shared with new prompts.
+    pub fn reset_prefix_cache(&self) {
+        if let Some(prefix) = &self.prefix {
+            let mut shards = prefix.lock_all();
+            let registered: Vec<BlockId> =
+                shards.iter().flat_map(|s| s.values().copied()).collect();
+            self.gpu.clear_hashes(registered.into_iter());
+            for shard in &mut shards {
+                shard.clear();
+            }
+        }
+        self.events.record(|| EventKind::AllBlocksCleared);
+    }
+
+    /// Verifies every invariant (block counts, refcount == holders, free list and cache
+    /// membership, prefix map <-> hashed blocks, token counts); reports the first violation.
+    pub fn check(&self) -> Result<(), Error> {
+        let batch = self.seqs.lock_all();
+        let shards = self.prefix.as_ref().map(|p| p.lock_all());
+        let gpu = self.gpu.audit();
+        let cpu = self.cpu.audit();
+        let bs = self.block_size;
+        let mut gpu_refs = vec![0u32; gpu.states.len()];
+        let mut cpu_refs = vec![0u32; cpu.states.len()];
+        for (&id, s) in batch.iter() {
+            let len = s.tokens.len();
+            let err = |msg: String| Error::InvariantViolated(format!("sequence {id}: {msg}"));
+            if s.table.len() != len.div_ceil(bs) {
+                return Err(err(format!("{} blocks for {len} tokens", s.table.len())));
+            }
+            if self.prefix.is_some() && s.hashes.len() != len / bs {
+                return Err(err(format!("{} hashes for {len} tokens", s.hashes.len())));
+            }
+            for (i, &block) in s.table.iter().enumerate() {
+                let refs = if s.swapped {
+                    &mut cpu_refs
+                } else {
+                    &mut gpu_refs
+                };
+                let Some(count) = refs.get_mut(block as usize) else {
+                    return Err(err(format!("block {block} out of range")));
+                };
+                *count += 1;
+                if s.swapped {
+                    continue;
+                }
+                if gpu.fill[block as usize] != fill_of(i, len, bs) {
+                    return Err(err(format!(
+                        "block {block} fill {}",
+                        gpu.fill[block as usize]
+                    )));
+                }
+                if let Some(prefix) = &self.prefix {
+                    if gpu.states[block as usize].hashed() && prefix.hash_of(block) != s.hashes[i] {
+                        return Err(err(format!("block {block} registered under another hash")));
+                    }
+                }
+            }
+        }
+        for (pool, audit, refs) in [("GPU", &gpu, &gpu_refs), ("CPU", &cpu, &cpu_refs)] {
+            let mut listed = vec![false; audit.states.len()];
+            for &block in &audit.free {
+                if std::mem::replace(&mut listed[block as usize], true) {
+                    return Err(violated(block, format!("twice in the {pool} free list")));
+                }
+                if !audit.states[block as usize].free() {
+                    return Err(violated(block, "in the free list but not FREE"));
+                }
+            }
+            for &block in &audit.cached {
+                if std::mem::replace(&mut listed[block as usize], true) {
+                    return Err(violated(block, "both free and cached, or cached twice"));
+                }
+                if !audit.states[block as usize].cached() {
+                    return Err(violated(block, "in the eviction list but not CACHED"));
+                }
+            }
+            for (b, (state, &holders)) in audit.states.iter().zip(refs.iter()).enumerate() {
+                if state.refcount() != holders {
+                    return Err(violated(
+                        b as BlockId,
+                        format!("{pool} refcount {} but {holders} holders", state.refcount()),
+                    ));
+                }
+                if holders == 0 && !listed[b] {
+                    return Err(violated(
+                        b as BlockId,
+                        "unreferenced but neither free nor cached",
+                    ));
+                }
+            }
+            if audit.num_cached != audit.cached.len() {
+                return Err(Error::InvariantViolated(format!(
+                    "{pool} cached count {} but {} in the eviction list",
+                    audit.num_cached,
+                    audit.cached.len()
+                )));
+            }
+            if audit.available != audit.free.len() + audit.cached.len() {
+                return Err(Error::InvariantViolated(format!(
+                    "{pool} available {} but {} free + {} cached",
+                    audit.available,
+                    audit.free.len(),
+                    audit.cached.len()
+                )));
+            }
+        }
+        let stored: usize = (0..gpu.states.len())
+            .filter(|&b| gpu_refs[b] > 0)
+            .map(|b| gpu.fill[b] as usize)
+            .sum();
+        if stored != gpu.stored_tokens {
+            return Err(Error::InvariantViolated(format!(
+                "stored tokens {} but held blocks hold {stored}",
+                gpu.stored_tokens
+            )));
+        }
+        let hashed = gpu.states.iter().filter(|s| s.hashed()).count();
+        if let (Some(prefix), Some(shards)) = (&self.prefix, &shards) {
+            let mut mapped = 0;
+            for (&hash, &block) in shards.iter().flat_map(|s| s.iter()) {
+                mapped += 1;
+                if !gpu.states[block as usize].hashed() || prefix.hash_of(block) != hash {
+                    return Err(violated(
+                        block,
+                        "mapped in the prefix cache but not registered there",
+                    ));
+                }
+            }
+            if mapped != hashed {
+                return Err(Error::InvariantViolated(format!(
+                    "{hashed} hashed blocks but {mapped} prefix-cache entries"
+                )));
+            }
+        } else if hashed != 0 {
+            return Err(Error::InvariantViolated(format!(
+                "{hashed} hashed blocks without prefix caching"
+            )));
+        }
+        Ok(())
+    }
+
+    fn next_stamp(&self) -> u64 {
+        self.stamps.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    fn reserve_gpu(&self, needed: usize) -> Result<(), Error> {
+        self.gpu
+            .reserve(needed)
+            .map_err(|available| Error::OutOfBlocks {
+                pool: PoolKind::Gpu,
+                needed,
+                available,
+            })
+    }
+
+    /// Hashes the prompt's full blocks and walks the prefix cache to the first miss, never
+    /// covering the last token. Read-only.
+    fn lookup(&self, tokens: &[Token], salt: Option<&[u8]>) -> Lookup {
+        let Some(prefix) = &self.prefix else {
+            return Lookup {
+                root: 0,
+                hashes: Vec::new(),
+                hits: Vec::new(),
+                cached_hits: 0,
+            };
+        };
+        let bs = self.block_size;
+        let root = prefix.root(salt);
+        let full = tokens.len() / bs;
+        let hittable = (tokens.len() - 1) / bs;
+        let mut hashes = Vec::with_capacity(full);
+        let mut hits = Vec::new();
+        let mut cached_hits = 0;
+        let mut parent = root;
+        let mut hitting = true;
+        for (i, block_tokens) in tokens.chunks_exact(bs).enumerate() {
+            let hash = prefix.hash_block(parent, block_tokens);
+            hashes.push(hash);
+            if hitting && i < hittable {
+                match self.find(prefix, hash, parent, block_tokens) {
+                    Some((block, state)) => {
+                        cached_hits += usize::from(state.refcount() == 0);
+                        hits.push((block, state));
+                    }
+                    None => hitting = false,
+                }
+            }
+            parent = hash;
+        }
+        Lookup {
+            root,
+            hashes,
+            hits,
+            cached_hits,
+        }
+    }
+
+    /// The registered block with exactly this content, with the state it was verified in.
+    fn find(
+        &self,
+        prefix: &PrefixCache,
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: &[Token],
+    ) -> Option<(BlockId, BlockState)> {
+        let block = prefix.get(hash)?;
+        let state = self.gpu.state(block);
+        if !state.hashed() || !prefix.matches(block, hash, parent, tokens) {
+            return None;
+        }
+        // The contents read above belong to `state`'s incarnation only if it did not change.
+        (self.gpu.state(block).generation() == state.generation()).then_some((block, state))
+    }
+
+    /// Takes a block reserved by the caller, unregistering it if it was evicted.
+    fn take_fresh(&self) -> BlockId {
+        let (block, evicted) = self.gpu.take_reserved();
+        if evicted {
+            if let Some(prefix) = &self.prefix {
+                let hash = prefix.hash_of(block);
+                prefix.unregister(block, hash);
+                self.events
+                    .record(|| EventKind::BlockRemoved { block_hash: hash });
+            }
+            Counters::add(&self.counters.evictions, 1);
+        }
+        block
+    }
+
+    /// Releases a GPU block table, last block first.
+    fn release_gpu_blocks(&self, table: &[BlockId]) {
+        for &block in table.iter().rev() {
+            self.gpu.release_block(block);
+        }
+    }
+
+    /// Blocks an append of `count` tokens takes: a copy-on-write of a shared partial last
+    /// block, plus the new blocks.
+    fn blocks_to_append(&self, s: &Sequence, count: usize) -> usize {
+        let len = s.tokens.len();
+        let bs = self.block_size;
+        let cow = len % bs != 0
+            && self
+                .gpu
+                .state(*s.table.last().expect("non-empty"))
+                .refcount()
+                > 1;
+        usize::from(cow) + (len + count).div_ceil(bs) - len.div_ceil(bs)
+    }
+
+    /// Appends with blocks already reserved; returns how many it took.
+    fn append_reserved(&self, s: &mut Sequence, tokens: &[Token]) -> usize {
+        let bs = self.block_size;
+        let len = s.tokens.len();
+        let mut used = 0;
+        if len % bs != 0 {
+            let last = s.table.last_mut().expect("non-empty");
+            let src = *last;
+            if self.gpu.state(src).refcount() > 1 {
+                let dst = self.take_fresh();
+                used += 1;
+                lock(&self.copies).push([src, dst]);
+                self.gpu.set_fill(dst, (len % bs) as u32);
+                *last = dst;
+                let released = self.gpu.release_block(src);
+                debug_assert_eq!(released, Released::Held);
+            }
+        }
+        s.tokens.extend_from_slice(tokens);
+        let new_len = s.tokens.len();
+        let pages = new_len.div_ceil(bs);
+        while s.table.len() < pages {
+            s.table.push(self.take_fresh());
+            used += 1;
+        }
+        for i in len / bs..pages {
+            self.gpu.set_fill(s.table[i], fill_of(i, new_len, bs));
+        }
+        self.register_full(s, len / bs..new_len / bs);
+        used
+    }
+
+    /// Registers the sequence's full blocks `range` in the prefix cache (hashing new ones).
+    fn register_full(&self, s: &mut Sequence, range: std::ops::Range<usize>) {
+        let Some(prefix) = &self.prefix else {
+            return;
+        };
+        let bs = self.block_size;
+        for i in range {
+            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
+            let tokens = &s.tokens[i * bs..(i + 1) * bs];
+            if i == s.hashes.len() {
+                s.hashes.push(prefix.hash_block(parent, tokens));
+            }
+            let hash = s.hashes[i];
+            let block = s.table[i];
+            if prefix.register(block, hash, parent, tokens, || self.gpu.mark_hashed(block)) {
+                self.events.record(|| EventKind::BlockStored {
+                    block_hash: hash,
+                    parent_hash: (i > 0).then_some(parent),
+                    token_ids: tokens.to_vec(),
+                });
+            }
+        }
+    }
+
+    /// `swap_out` (`to_gpu == false`) and `swap_in` (`to_gpu == true`).
+    fn swap(&self, seqs: &[SeqId], to_gpu: bool) -> Result<Vec<[BlockId; 2]>, Error> {
+        let stamp = self.next_stamp();
+        let mut batch = self.seqs.lock(seqs);
+        let mut order: Vec<BlockId> = Vec::new();
+        let mut seen = std::collections::HashMap::new();
+        for &id in seqs {
+            let s = visit(&mut batch, id, stamp, to_gpu)?;
+            for &block in &s.table {
+                seen.entry(block).or_insert_with(|| {
+                    order.push(block);
+                });
+            }
+        }
+        let (from, to, kind) = if to_gpu {
+            (&self.cpu, &self.gpu, PoolKind::Gpu)
+        } else {
+            (&self.gpu, &self.cpu, PoolKind::Cpu)
+        };
+        to.reserve(order.len())
+            .map_err(|available| Error::OutOfBlocks {
+                pool: kind,
+                needed: order.len(),
+                available,
+            })?;
+        let mut pairs = Vec::with_capacity(order.len());
+        let mut moved = std::collections::HashMap::with_capacity(order.len());
+        for &block in &order {
+            let target = if to_gpu {
+                self.take_fresh()
+            } else {
+                self.cpu.take_reserved().0
+            };
+            moved.insert(block, target);
+            pairs.push([block, target]);
+        }
+        let mut referenced = vec![false; to.num_blocks()];
+        for &id in seqs {
+            let s = batch.get(id).expect("validated above");
+            for &block in s.table.iter().rev() {
+                from.release_block(block);
+            }
+            let len = s.tokens.len();
+            for (i, block) in s.table.iter_mut().enumerate() {
+                let target = moved[block];
+                if std::mem::replace(&mut referenced[target as usize], true) {
+                    to.share_held(target);
+                }
+                if to_gpu {
+                    self.gpu.set_fill(target, fill_of(i, len, self.block_size));
+                }
+                *block = target;
+            }
+            s.swapped = !to_gpu;
+        }
+        if to_gpu {
+            for &id in seqs {
+                let s = batch.get(id).expect("validated above");
+                let full = s.tokens.len() / self.block_size;
+                self.register_full(s, 0..full);
+            }
+        }
+        Ok(pairs)
+    }
+}
+
+/// Tokens in block `i` of a sequence of `len` tokens.
+fn fill_of(i: usize, len: usize, block_size: usize) -> u32 {
+    (len - i * block_size).min(block_size) as u32
+}
+
+/// Fails if a sequence of `len` tokens cannot take `more`.
+fn check_room(len: usize, more: usize) -> Result<(), Error> {
+    if len + more > MAX_TOKENS {
+        return Err(invalid(format!(
+            "a sequence holds at most {MAX_TOKENS} tokens ({len} + {more} asked)"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks one member of a batch (live, not repeated, on the expected side) and marks it.
+fn visit<'b>(
+    batch: &'b mut Batch<'_>,
+    id: SeqId,
+    stamp: u64,
+    swapped: bool,
+) -> Result<&'b mut Sequence, Error> {
+    let s = batch.get(id).ok_or(Error::UnknownSequence(id))?;
+    if s.stamp == stamp {
+        return Err(invalid(format!("sequence {id} appears twice in the batch")));
+    }
+    if s.swapped != swapped {
+        return Err(if s.swapped {
+            Error::SwappedOut(id)
+        } else {
+            Error::NotSwappedOut(id)
+        });
+    }
+    s.stamp = stamp;
+    Ok(s)
+}

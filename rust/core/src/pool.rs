@@ -1,0 +1,533 @@
+//! The physical block pool: one atomic state word per block, a lock-free free list, the
+//! eviction order of CACHED blocks, and the count of available blocks that makes multi-block
+//! operations all-or-nothing.
+//!
+//! Concurrency protocol:
+//! - FREE blocks live in the lock-free [`FreeList`]; popping one is the only way to own it.
+//! - HELD blocks change refcount by CAS on their state word, lock-free.
+//! - Transitions into and out of CACHED (release to zero of a hashed block, revival by a prefix
+//!   hit, eviction, reset) happen under the `lru` lock, so the list always matches the states.
+//!   That lock is never taken on the decode path unless the pool must evict.
+//! - `available` counts FREE + CACHED blocks not yet promised to anyone. An operation first
+//!   reserves every block it needs with one CAS, so it either gets all of them or none.
+
+use crate::block::BlockState;
+use crate::free_list::FreeList;
+use crate::lru::Lru;
+use crate::sync::{backoff, lock, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::BlockId;
+
+/// A pool of `num_blocks` blocks with lock-free allocation and reference counting.
+///
+/// ```
+/// let pool = pagedkv::BlockPool::new(2);
+/// let a = pool.allocate().unwrap();
+/// let b = pool.allocate().unwrap();
+/// assert!(pool.allocate().is_none());
+/// pool.release(a);
+/// pool.release(b);
+/// assert_eq!(pool.num_free(), 2);
+/// ```
+pub struct BlockPool {
+    states: Box<[AtomicU64]>,
+    fill: Box<[AtomicU32]>,
+    free: FreeList,
+    lru: Mutex<Lru>,
+    num_cached: AtomicUsize,
+    available: AtomicUsize,
+    stored_tokens: AtomicUsize,
+}
+
+/// What a prefix hit did to the block it matched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Hit {
+    /// The block was HELD by someone else; now shared.
+    Shared,
+    /// The block was CACHED; now held again (it used one reserved block).
+    Revived,
+}
+
+/// What a release did to the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Released {
+    /// Other holders remain.
+    Held,
+    /// Last holder gone; the hashed block is now CACHED.
+    Cached,
+    /// Last holder gone; the block is FREE.
+    Freed,
+}
+
+/// A consistent picture of the pool, taken while nothing else runs (see `check`).
+pub(crate) struct PoolAudit {
+    pub(crate) states: Vec<BlockState>,
+    pub(crate) fill: Vec<u32>,
+    pub(crate) free: Vec<BlockId>,
+    pub(crate) cached: Vec<BlockId>,
+    pub(crate) num_cached: usize,
+    pub(crate) available: usize,
+    pub(crate) stored_tokens: usize,
+}
+
+impl BlockPool {
+    /// A pool whose blocks are all FREE.
+    pub fn new(num_blocks: u32) -> BlockPool {
+        BlockPool {
+            states: (0..num_blocks)
+                .map(|_| AtomicU64::new(BlockState::FREE.0))
+                .collect(),
+            fill: (0..num_blocks).map(|_| AtomicU32::new(0)).collect(),
+            free: FreeList::full(num_blocks),
+            lru: Mutex::new(Lru::new(num_blocks)),
+            num_cached: AtomicUsize::new(0),
+            available: AtomicUsize::new(num_blocks as usize),
+            stored_tokens: AtomicUsize::new(0),
+        }
+    }
+
+    /// Takes one block (FREE first, else evicts the least recently released CACHED one), or
+    /// `None` when every block is held.
+    pub fn allocate(&self) -> Option<BlockId> {
+        self.reserve(1).ok()?;
+        Some(self.take_reserved().0)
+    }
+
+    /// Drops one reference to `block`; at zero it becomes CACHED if hashed, else FREE.
+    pub fn release(&self, block: BlockId) {
+        self.release_block(block);
+    }
+
+    /// Number of blocks nobody holds and that are not in the prefix cache.
+    pub fn num_free(&self) -> usize {
+        let unheld = self.available.load(Ordering::Relaxed);
+        unheld.saturating_sub(self.num_cached())
+    }
+
+    /// Number of unreferenced blocks kept for prefix reuse.
+    pub fn num_cached(&self) -> usize {
+        self.num_cached.load(Ordering::Relaxed)
+    }
+
+    /// Number of blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.states.len()
+    }
+
+    /// FREE + CACHED blocks nobody has reserved.
+    pub(crate) fn available(&self) -> usize {
+        self.available.load(Ordering::Relaxed)
+    }
+
+    /// Tokens stored in held blocks (each physical block counted once).
+    pub(crate) fn stored_tokens(&self) -> usize {
+        self.stored_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Promises `n` blocks to the caller, all or none; on failure returns what was available.
+    pub(crate) fn reserve(&self, n: usize) -> Result<(), usize> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.available
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| a.checked_sub(n))
+            .map(|_| ())
+    }
+
+    /// Returns `n` reserved blocks that were not used.
+    pub(crate) fn unreserve(&self, n: usize) {
+        if n > 0 {
+            self.available.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes a block the caller reserved: FREE first, else the LRU head. Returns the block and
+    /// whether it was evicted from the prefix cache (the caller then unregisters its hash).
+    pub(crate) fn take_reserved(&self) -> (BlockId, bool) {
+        loop {
+            if let Some(block) = self.free.pop() {
+                // Nobody else writes a FREE block's state: lookups only CAS hashed snapshots.
+                let state = &self.states[block as usize];
+                let old = BlockState(state.load(Ordering::Relaxed));
+                state.store(old.fresh().0, Ordering::Relaxed);
+                self.fill[block as usize].store(0, Ordering::Relaxed);
+                return (block, false);
+            }
+            let mut lru = lock(&self.lru);
+            if let Some(block) = lru.pop_front() {
+                self.num_cached.fetch_sub(1, Ordering::Relaxed);
+                // CACHED states change only under this lock, so a plain store is exact.
+                let state = &self.states[block as usize];
+                let old = BlockState(state.load(Ordering::Relaxed));
+                debug_assert!(old.cached());
+                state.store(old.fresh().0, Ordering::Release);
+                self.fill[block as usize].store(0, Ordering::Relaxed);
+                return (block, true);
+            }
+            drop(lru);
+            // Our reserved block is being pushed by a releaser right now.
+            backoff();
+        }
+    }
+
+    /// The current state word of `block`.
+    pub(crate) fn state(&self, block: BlockId) -> BlockState {
+        // Acquire: a hashed state makes the block's registered contents visible.
+        BlockState(self.states[block as usize].load(Ordering::Acquire))
+    }
+
+    /// Adds a holder to a block the caller already holds through another reference.
+    pub(crate) fn share_held(&self, block: BlockId) {
+        let old = self.states[block as usize].fetch_add(1, Ordering::Relaxed);
+        debug_assert!(BlockState(old).refcount() >= 1);
+    }
+
+    /// Takes a reference to a block a prefix lookup matched, if it is still the incarnation
+    /// `seen` (same generation, still hashed) and still in the same class (held or cached).
+    /// Reviving a CACHED block consumes one block the caller reserved.
+    pub(crate) fn acquire_hit(&self, block: BlockId, seen: BlockState) -> Option<Hit> {
+        let state = &self.states[block as usize];
+        if seen.refcount() > 0 {
+            let mut current = BlockState(state.load(Ordering::Relaxed));
+            loop {
+                let same = current.generation() == seen.generation() && current.hashed();
+                if !same || current.refcount() == 0 {
+                    return None;
+                }
+                // Acquire: the holder's writes to the block are visible to the new holder.
+                match state.compare_exchange_weak(
+                    current.0,
+                    current.with_refcount(current.refcount() + 1).0,
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => return Some(Hit::Shared),
+                    Err(now) => current = BlockState(now),
+                }
+            }
+        }
+        let mut lru = lock(&self.lru);
+        let current = BlockState(state.load(Ordering::Relaxed));
+        if current != seen {
+            return None;
+        }
+        lru.remove(block);
+        self.num_cached.fetch_sub(1, Ordering::Relaxed);
+        state.store(current.with_refcount(1).0, Ordering::Relaxed);
+        let fill = self.fill[block as usize].load(Ordering::Relaxed);
+        self.stored_tokens
+            .fetch_add(fill as usize, Ordering::Relaxed);
+        Some(Hit::Revived)
+    }
+
+    /// Marks a held block as registered in the prefix cache.
+    pub(crate) fn mark_hashed(&self, block: BlockId) {
+        // Release: the registered contents written before are visible to whoever sees the flag.
+        let old = self.states[block as usize]
+            .fetch_or(BlockState(0).with_hashed(true).0, Ordering::Release);
+        debug_assert!(BlockState(old).refcount() >= 1);
+    }
+
+    /// Sets how many token slots of a held block are filled, keeping the stored-token count.
+    pub(crate) fn set_fill(&self, block: BlockId, tokens: u32) {
+        let old = self.fill[block as usize].swap(tokens, Ordering::Relaxed);
+        if tokens >= old {
+            self.stored_tokens
+                .fetch_add((tokens - old) as usize, Ordering::Relaxed);
+        } else {
+            self.stored_tokens
+                .fetch_sub((old - tokens) as usize, Ordering::Relaxed);
+        }
+    }
+
+    /// Drops one reference; see [`Released`].
+    pub(crate) fn release_block(&self, block: BlockId) -> Released {
+        let state = &self.states[block as usize];
+        let mut current = BlockState(state.load(Ordering::Relaxed));
+        loop {
+            debug_assert!(current.refcount() >= 1, "release of unheld block {block}");
+            if current.refcount() > 1 {
+                // Release: this holder's writes happen before the last holder lets go.
+                match state.compare_exchange_weak(
+                    current.0,
+                    current.with_refcount(current.refcount() - 1).0,
+                    Ordering::Release,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => return Released::Held,
+                    Err(now) => {
+                        current = BlockState(now);
+                        continue;
+                    }
+                }
+            }
+            let fill = self.fill[block as usize].load(Ordering::Relaxed) as usize;
+            if current.hashed() {
+                let mut lru = lock(&self.lru);
+                if let Err(now) = state.compare_exchange(
+                    current.0,
+                    current.with_refcount(0).0,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                ) {
+                    current = BlockState(now);
+                    continue;
+                }
+                lru.push_back(block);
+                self.num_cached.fetch_add(1, Ordering::Relaxed);
+                drop(lru);
+                self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
+                self.available.fetch_add(1, Ordering::Release);
+                return Released::Cached;
+            }
+            if let Err(now) = state.compare_exchange(
+                current.0,
+                current.with_refcount(0).0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                current = BlockState(now);
+                continue;
+            }
+            self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
+            self.free.push(block);
+            // After the push: a reservation counted here always finds the block.
+            self.available.fetch_add(1, Ordering::Release);
+            return Released::Freed;
+        }
+    }
+
+    /// Forgets every registration: `registered` (all hashed blocks) lose their flag, and every
+    /// CACHED block becomes FREE, pushed from the LRU head to its tail.
+    pub(crate) fn clear_hashes(&self, registered: impl Iterator<Item = BlockId>) {
+        let mut lru = lock(&self.lru);
+        for block in registered {
+            let not_hashed = !BlockState(0).with_hashed(true).0;
+            self.states[block as usize].fetch_and(not_hashed, Ordering::Relaxed);
+        }
+        while let Some(block) = lru.pop_front() {
+            self.num_cached.fetch_sub(1, Ordering::Relaxed);
+            self.free.push(block);
+        }
+    }
+
+    /// The pool's whole state; exact only while no other thread uses the pool.
+    pub(crate) fn audit(&self) -> PoolAudit {
+        let lru = lock(&self.lru);
+        PoolAudit {
+            states: self
+                .states
+                .iter()
+                .map(|s| BlockState(s.load(Ordering::Acquire)))
+                .collect(),
+            fill: self
+                .fill
+                .iter()
+                .map(|f| f.load(Ordering::Relaxed))
+                .collect(),
+            free: self.free.snapshot(),
+            cached: lru.iter().collect(),
+            num_cached: self.num_cached.load(Ordering::Relaxed),
+            available: self.available.load(Ordering::Acquire),
+            stored_tokens: self.stored_tokens.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn cached_block(pool: &BlockPool) -> BlockId {
+        let block = pool.allocate().unwrap();
+        pool.mark_hashed(block);
+        assert_eq!(pool.release_block(block), Released::Cached);
+        block
+    }
+
+    #[test]
+    fn free_blocks_go_before_cached_ones_and_eviction_is_lru() {
+        let pool = BlockPool::new(3);
+        let a = cached_block(&pool);
+        let b = cached_block(&pool);
+        assert_eq!((a, b), (0, 1), "free blocks go before cached ones");
+        let pool = BlockPool::new(3);
+        let held: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
+        for &block in &held {
+            pool.mark_hashed(block);
+        }
+        pool.release_block(held[2]);
+        pool.release_block(held[0]);
+        pool.release_block(held[1]);
+        assert_eq!(pool.num_cached(), 3);
+        pool.reserve(3).unwrap();
+        let order: Vec<_> = (0..3).map(|_| pool.take_reserved()).collect();
+        assert_eq!(order, vec![(2, true), (0, true), (1, true)]);
+    }
+
+    #[test]
+    fn reservations_are_all_or_nothing() {
+        let pool = BlockPool::new(4);
+        assert_eq!(pool.reserve(5), Err(4));
+        pool.reserve(3).unwrap();
+        assert_eq!(pool.reserve(2), Err(1));
+        pool.unreserve(3);
+        assert_eq!(pool.available(), 4);
+    }
+
+    #[test]
+    fn hits_share_or_revive_the_same_incarnation_only() {
+        let pool = BlockPool::new(2);
+        let block = cached_block(&pool);
+        let seen = pool.state(block);
+        pool.reserve(1).unwrap();
+        assert_eq!(pool.acquire_hit(block, seen), Some(Hit::Revived));
+        let held = pool.state(block);
+        assert_eq!(pool.acquire_hit(block, held), Some(Hit::Shared));
+        assert_eq!(pool.state(block).refcount(), 2);
+        assert_eq!(pool.acquire_hit(block, seen), None, "stale cached snapshot");
+        pool.clear_hashes([block].into_iter());
+        assert_eq!(pool.acquire_hit(block, held), None, "no longer registered");
+        assert_eq!(pool.release_block(block), Released::Held);
+        assert_eq!(pool.release_block(block), Released::Freed);
+        assert_eq!(pool.num_free(), 2);
+    }
+
+    #[test]
+    fn fill_tracks_stored_tokens() {
+        let pool = BlockPool::new(2);
+        let block = pool.allocate().unwrap();
+        pool.set_fill(block, 5);
+        pool.set_fill(block, 3);
+        assert_eq!(pool.stored_tokens(), 3);
+        pool.release(block);
+        assert_eq!(pool.stored_tokens(), 0);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    /// A pool whose blocks are all CACHED, LRU order 0, 1, ...
+    fn all_cached(n: u32) -> BlockPool {
+        let pool = BlockPool::new(n);
+        let blocks: Vec<_> = (0..n).map(|_| pool.allocate().unwrap()).collect();
+        for &b in &blocks {
+            pool.mark_hashed(b);
+            pool.release_block(b);
+        }
+        pool
+    }
+
+    fn assert_consistent(pool: &BlockPool) {
+        let audit = pool.audit();
+        assert_eq!(audit.available, audit.free.len() + audit.cached.len());
+        assert_eq!(audit.num_cached, audit.cached.len());
+        for &b in &audit.free {
+            assert!(audit.states[b as usize].free());
+        }
+        for &b in &audit.cached {
+            assert!(audit.states[b as usize].cached());
+        }
+    }
+
+    #[test]
+    fn revive_and_evict_never_both_win() {
+        loom::model(|| {
+            let pool = Arc::new(all_cached(2));
+            let seen = pool.state(0);
+            pool.reserve(2).unwrap();
+            let evictor = {
+                let pool = pool.clone();
+                loom::thread::spawn(move || pool.take_reserved())
+            };
+            let revived = pool.acquire_hit(0, seen);
+            let (evicted, was_cached) = evictor.join().unwrap();
+            assert!(was_cached);
+            match revived {
+                Some(hit) => {
+                    assert_eq!(hit, Hit::Revived);
+                    assert_eq!(evicted, 1, "the evictor must take the other block");
+                    assert!(pool.state(0).hashed());
+                }
+                None => {
+                    assert_eq!(evicted, 0);
+                    assert!(!pool.state(0).hashed());
+                    pool.unreserve(1);
+                }
+            }
+            assert_eq!(pool.state(0).refcount(), 1);
+            assert_consistent(&pool);
+        });
+    }
+
+    #[test]
+    fn share_races_last_release() {
+        loom::model(|| {
+            let pool = Arc::new(BlockPool::new(1));
+            let block = pool.allocate().unwrap();
+            pool.mark_hashed(block);
+            let seen = pool.state(block);
+            let owner = {
+                let pool = pool.clone();
+                loom::thread::spawn(move || pool.release_block(block))
+            };
+            let hit = pool.acquire_hit(block, seen);
+            let released = owner.join().unwrap();
+            match hit {
+                Some(Hit::Shared) => {
+                    assert_eq!(released, Released::Held);
+                    assert_eq!(pool.state(block).refcount(), 1);
+                }
+                Some(Hit::Revived) => unreachable!("a held snapshot never revives"),
+                None => {
+                    assert_eq!(released, Released::Cached);
+                    assert!(pool.state(block).cached());
+                }
+            }
+            assert_consistent(&pool);
+        });
+    }
+
+    #[test]
+    fn allocate_races_release() {
+        loom::model(|| {
+            let pool = Arc::new(BlockPool::new(1));
+            let block = pool.allocate().unwrap();
+            let releaser = {
+                let pool = pool.clone();
+                loom::thread::spawn(move || pool.release(block))
+            };
+            let got = pool.allocate();
+            releaser.join().unwrap();
+            match got {
+                Some(b) => {
+                    assert_eq!(b, block);
+                    assert_eq!(pool.state(b).refcount(), 1);
+                    assert_eq!(pool.available(), 0);
+                }
+                None => assert_eq!(pool.available(), 1),
+            }
+            assert_consistent(&pool);
+        });
+    }
+
+    #[test]
+    fn reset_races_last_release() {
+        loom::model(|| {
+            let pool = Arc::new(BlockPool::new(1));
+            let block = pool.allocate().unwrap();
+            pool.mark_hashed(block);
+            let owner = {
+                let pool = pool.clone();
+                loom::thread::spawn(move || pool.release_block(block))
+            };
+            pool.clear_hashes([block].into_iter());
+            owner.join().unwrap();
+            let state = pool.state(block);
+            assert!(state.free(), "reset leaves no block cached");
+            assert_consistent(&pool);
+        });
+    }
+}

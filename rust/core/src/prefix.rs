@@ -1,0 +1,242 @@
+//! The prefix cache: chained keyed hashes of full blocks and the map from hash to the physical
+//! block holding that content, with each registered block's parent hash and tokens kept so a
+//! hit can be verified (a forged hash collision is a miss, never another sequence's KV).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::sync::{lock, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::{BlockId, Token};
+
+/// A 128-bit block hash.
+pub type BlockHash = u128;
+
+const SHARDS: usize = 64;
+
+/// The keys are already uniformly random (keyed BLAKE3), so the map uses their low bits as is.
+#[derive(Default)]
+pub(crate) struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = n as u64;
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type Shard = HashMap<BlockHash, BlockId, BuildHasherDefault<PassThrough>>;
+
+/// Hashes, map and registered contents of one GPU pool.
+pub(crate) struct PrefixCache {
+    key: [u8; 32],
+    block_size: usize,
+    shards: Box<[Mutex<Shard>]>,
+    /// Per block: `[hash_lo, hash_hi, parent_lo, parent_hi]` of its registration.
+    meta: Box<[AtomicU64]>,
+    /// Per block: its `block_size` tokens at registration.
+    tokens: Box<[AtomicU32]>,
+}
+
+fn split(h: BlockHash) -> (u64, u64) {
+    (h as u64, (h >> 64) as u64)
+}
+
+fn join(lo: u64, hi: u64) -> BlockHash {
+    u128::from(lo) | (u128::from(hi) << 64)
+}
+
+fn cut(hash: blake3::Hash) -> BlockHash {
+    let bytes: [u8; 16] = hash.as_bytes()[..16].try_into().expect("16 bytes");
+    u128::from_le_bytes(bytes)
+}
+
+impl PrefixCache {
+    /// An empty cache for `num_blocks` blocks of `block_size` tokens.
+    pub(crate) fn new(key: [u8; 32], num_blocks: u32, block_size: u32) -> PrefixCache {
+        let n = num_blocks as usize;
+        PrefixCache {
+            key,
+            block_size: block_size as usize,
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            meta: (0..4 * n).map(|_| AtomicU64::new(0)).collect(),
+            tokens: (0..n * block_size as usize)
+                .map(|_| AtomicU32::new(0))
+                .collect(),
+        }
+    }
+
+    /// The parent hash of a sequence's first block: binds the tenant salt into the chain.
+    pub(crate) fn root(&self, salt: Option<&[u8]>) -> BlockHash {
+        let mut hasher = blake3::Hasher::new_keyed(&self.key);
+        hasher.update(b"pagedkv/root");
+        match salt {
+            None => hasher.update(&[0]),
+            Some(salt) => hasher
+                .update(&[1])
+                .update(&(salt.len() as u64).to_le_bytes())
+                .update(salt),
+        };
+        cut(hasher.finalize())
+    }
+
+    /// `H(key, parent, tokens)` for one full block.
+    pub(crate) fn hash_block(&self, parent: BlockHash, tokens: &[Token]) -> BlockHash {
+        const CHUNK: usize = 64;
+        let mut buf = [0u8; 16 + 4 * CHUNK];
+        buf[..16].copy_from_slice(&parent.to_le_bytes());
+        if tokens.len() <= CHUNK {
+            let len = 16 + 4 * tokens.len();
+            for (dst, t) in buf[16..len].chunks_exact_mut(4).zip(tokens) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            return cut(blake3::keyed_hash(&self.key, &buf[..len]));
+        }
+        let mut hasher = blake3::Hasher::new_keyed(&self.key);
+        hasher.update(&buf[..16]);
+        for chunk in tokens.chunks(CHUNK) {
+            for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            hasher.update(&buf[..4 * chunk.len()]);
+        }
+        cut(hasher.finalize())
+    }
+
+    fn shard(&self, hash: BlockHash) -> &Mutex<Shard> {
+        &self.shards[(hash >> 64) as usize % SHARDS]
+    }
+
+    /// The block registered under `hash`, if any (unverified: see [`PrefixCache::matches`]).
+    pub(crate) fn get(&self, hash: BlockHash) -> Option<BlockId> {
+        lock(self.shard(hash)).get(&hash).copied()
+    }
+
+    /// Whether `block`'s registered contents are exactly `(hash, parent, tokens)`.
+    pub(crate) fn matches(
+        &self,
+        block: BlockId,
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: &[Token],
+    ) -> bool {
+        let b = block as usize;
+        let m = &self.meta[4 * b..4 * b + 4];
+        let load = |i: usize| m[i].load(Ordering::Relaxed);
+        if join(load(0), load(1)) != hash || join(load(2), load(3)) != parent {
+            return false;
+        }
+        let stored = &self.tokens[b * self.block_size..(b + 1) * self.block_size];
+        stored
+            .iter()
+            .zip(tokens)
+            .all(|(s, &t)| s.load(Ordering::Relaxed) == t)
+    }
+
+    /// The hash `block` was registered under.
+    pub(crate) fn hash_of(&self, block: BlockId) -> BlockHash {
+        let b = block as usize;
+        join(
+            self.meta[4 * b].load(Ordering::Relaxed),
+            self.meta[4 * b + 1].load(Ordering::Relaxed),
+        )
+    }
+
+    /// Registers `block` (held by the caller, full) under `hash` unless the hash is already
+    /// mapped. `mark` runs under the shard lock once the contents are written, so a reset (which
+    /// holds every shard) sees the map and the block's flag change together.
+    pub(crate) fn register(
+        &self,
+        block: BlockId,
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: &[Token],
+        mark: impl FnOnce(),
+    ) -> bool {
+        let mut shard = lock(self.shard(hash));
+        if shard.contains_key(&hash) {
+            return false;
+        }
+        let b = block as usize;
+        let (hash_lo, hash_hi) = split(hash);
+        let (parent_lo, parent_hi) = split(parent);
+        for (slot, value) in self.meta[4 * b..4 * b + 4]
+            .iter()
+            .zip([hash_lo, hash_hi, parent_lo, parent_hi])
+        {
+            slot.store(value, Ordering::Relaxed);
+        }
+        for (slot, &t) in self.tokens[b * self.block_size..].iter().zip(tokens) {
+            slot.store(t, Ordering::Relaxed);
+        }
+        mark();
+        shard.insert(hash, block);
+        true
+    }
+
+    /// Removes `hash` if it still maps to `block` (an evicted block's registration).
+    pub(crate) fn unregister(&self, block: BlockId, hash: BlockHash) {
+        let mut shard = lock(self.shard(hash));
+        if shard.get(&hash) == Some(&block) {
+            shard.remove(&hash);
+        }
+    }
+
+    /// Locks every shard (in order), for a reset or an audit.
+    pub(crate) fn lock_all(&self) -> Vec<MutexGuard<'_, Shard>> {
+        self.shards.iter().map(lock).collect()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes_chain_and_depend_on_key_and_salt() {
+        let a = PrefixCache::new([1; 32], 4, 4);
+        let b = PrefixCache::new([2; 32], 4, 4);
+        let root = a.root(None);
+        assert_ne!(root, a.root(Some(b"tenant")));
+        assert_ne!(a.root(Some(b"")), root);
+        let h = a.hash_block(root, &[1, 2, 3, 4]);
+        assert_eq!(h, a.hash_block(root, &[1, 2, 3, 4]));
+        assert_ne!(h, a.hash_block(root, &[1, 2, 3, 5]));
+        assert_ne!(h, a.hash_block(h, &[1, 2, 3, 4]));
+        assert_ne!(h, b.hash_block(b.root(None), &[1, 2, 3, 4]));
+    }
+
+    #[test]
+    fn long_blocks_hash_all_tokens() {
+        let c = PrefixCache::new([0; 32], 1, 200);
+        let tokens: Vec<u32> = (0..200).collect();
+        let mut other = tokens.clone();
+        other[199] = 7;
+        assert_ne!(c.hash_block(0, &tokens), c.hash_block(0, &other));
+    }
+
+    #[test]
+    fn register_verify_unregister() {
+        let c = PrefixCache::new([0; 32], 2, 2);
+        let h = c.hash_block(5, &[1, 2]);
+        assert!(c.register(1, h, 5, &[1, 2], || {}));
+        assert!(!c.register(0, h, 5, &[1, 2], || {}));
+        assert_eq!(c.get(h), Some(1));
+        assert!(c.matches(1, h, 5, &[1, 2]));
+        assert!(!c.matches(1, h, 6, &[1, 2]));
+        assert!(!c.matches(1, h, 5, &[1, 3]));
+        c.unregister(0, h);
+        assert_eq!(c.get(h), Some(1));
+        c.unregister(1, h);
+        assert_eq!(c.get(h), None);
+    }
+}

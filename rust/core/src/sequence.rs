@@ -1,0 +1,145 @@
+//! Per-sequence state (tokens, block table, block hashes) in a sharded map. An operation locks
+//! the shards of the sequences it touches, in shard order, so different sequences can be driven
+//! from different threads at once and batches never deadlock.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::prefix::BlockHash;
+use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
+use crate::{BlockId, SeqId, Token};
+
+const SHARDS: usize = 64;
+
+/// One sequence: its tokens, its block table and the hashes of its full blocks.
+#[derive(Clone, Debug)]
+pub(crate) struct Sequence {
+    pub(crate) tokens: Vec<Token>,
+    /// GPU block ids, or CPU block ids while `swapped`.
+    pub(crate) table: Vec<BlockId>,
+    /// `hashes[i]` is the chained hash of full block `i` (empty without prefix caching).
+    pub(crate) hashes: Vec<BlockHash>,
+    /// Parent hash of block 0 (binds the salt).
+    pub(crate) root: BlockHash,
+    pub(crate) swapped: bool,
+    /// The last batch that visited this sequence; detects repeats within one batch.
+    pub(crate) stamp: u64,
+}
+
+/// Multiplicative hashing of sequence ids (callers often use consecutive ids).
+#[derive(Default)]
+pub(crate) struct SeqIdHasher(u64);
+
+const MIX: u64 = 0x9E37_79B9_7F4A_7C15;
+
+impl Hasher for SeqIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(MIX);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(MIX);
+    }
+}
+
+pub(crate) type Shard = HashMap<SeqId, Sequence, BuildHasherDefault<SeqIdHasher>>;
+
+/// All live sequences.
+pub(crate) struct SequenceMap {
+    shards: Box<[Mutex<Shard>]>,
+    len: AtomicUsize,
+}
+
+fn shard_of(id: SeqId) -> usize {
+    (id.wrapping_mul(MIX).rotate_left(6) as usize) % SHARDS
+}
+
+impl SequenceMap {
+    /// No sequences.
+    pub(crate) fn new() -> SequenceMap {
+        SequenceMap {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            len: AtomicUsize::new(0),
+        }
+    }
+
+    /// Number of live sequences.
+    pub(crate) fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+
+    /// Locks the shards holding `ids` (in shard order) for the duration of one operation.
+    pub(crate) fn lock(&self, ids: &[SeqId]) -> Batch<'_> {
+        let mut mask = 0u64;
+        for &id in ids {
+            mask |= 1 << shard_of(id);
+        }
+        self.lock_mask(mask)
+    }
+
+    /// Locks every shard, for an audit.
+    pub(crate) fn lock_all(&self) -> Batch<'_> {
+        self.lock_mask(u64::MAX)
+    }
+
+    fn lock_mask(&self, mut mask: u64) -> Batch<'_> {
+        let mut guards: [Option<MutexGuard<'_, Shard>>; SHARDS] = std::array::from_fn(|_| None);
+        while mask != 0 {
+            let shard = mask.trailing_zeros() as usize;
+            guards[shard] = Some(lock(&self.shards[shard]));
+            mask &= mask - 1;
+        }
+        Batch {
+            guards,
+            len: &self.len,
+        }
+    }
+}
+
+/// The locked shards of one operation.
+pub(crate) struct Batch<'a> {
+    guards: [Option<MutexGuard<'a, Shard>>; SHARDS],
+    len: &'a AtomicUsize,
+}
+
+impl Batch<'_> {
+    fn shard(&mut self, id: SeqId) -> &mut Shard {
+        self.guards[shard_of(id)]
+            .as_mut()
+            .expect("the batch locked this sequence's shard")
+    }
+
+    /// The sequence, if live.
+    pub(crate) fn get(&mut self, id: SeqId) -> Option<&mut Sequence> {
+        self.shard(id).get_mut(&id)
+    }
+
+    /// Whether `id` is live.
+    pub(crate) fn contains(&mut self, id: SeqId) -> bool {
+        self.shard(id).contains_key(&id)
+    }
+
+    /// Adds a new sequence.
+    pub(crate) fn insert(&mut self, id: SeqId, seq: Sequence) {
+        self.shard(id).insert(id, seq);
+        self.len.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Removes a sequence.
+    pub(crate) fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        let seq = self.shard(id).remove(&id);
+        if seq.is_some() {
+            self.len.fetch_sub(1, Ordering::Relaxed);
+        }
+        seq
+    }
+
+    /// Every sequence in the locked shards.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&SeqId, &Sequence)> {
+        self.guards.iter().flatten().flat_map(|shard| shard.iter())
+    }
+}

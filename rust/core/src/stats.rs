@@ -1,0 +1,48 @@
+//! Counters and the `Stats` snapshot.
+
+use crate::sync::{AtomicU64, Ordering};
+
+/// A snapshot of the pool and the prefix cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stats {
+    /// Blocks in the GPU pool.
+    pub num_blocks: usize,
+    /// FREE blocks: unreferenced and not cached.
+    pub num_free: usize,
+    /// CACHED blocks: unreferenced, kept for prefix reuse, evictable.
+    pub num_cached: usize,
+    /// HELD blocks: referenced by at least one sequence.
+    pub num_held: usize,
+    /// `num_held / num_blocks`.
+    pub usage: f64,
+    /// `stored_tokens / (num_held * block_size)`: how full the held blocks are.
+    pub token_usage: f64,
+    /// Tokens stored in held blocks, each physical block counted once.
+    pub stored_tokens: usize,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_query_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub prefix_hit_tokens: u64,
+    /// CACHED blocks evicted to make room.
+    pub evictions: u64,
+}
+
+/// Monotonic counters shared by all threads.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) prefix_query_tokens: AtomicU64,
+    pub(crate) prefix_hit_tokens: AtomicU64,
+    pub(crate) evictions: AtomicU64,
+}
+
+impl Counters {
+    /// Adds `n` to `counter`.
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Reads `counter`.
+    pub(crate) fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,535 @@
+//! Python bindings of `pagedkv`: type and error conversion only; all logic lives in the core.
+
+use std::sync::Mutex;
+
+use numpy::ndarray::Array2;
+use numpy::{
+    IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyString};
+
+use pagedkv as core;
+
+create_exception!(
+    _core,
+    OutOfBlocks,
+    PyRuntimeError,
+    "The pool has fewer free or evictable blocks than the operation needs; nothing changed."
+);
+
+/// Maps a core error to the Python exception users expect.
+fn to_py(err: core::Error) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        core::Error::UnknownSequence(_) => PyKeyError::new_err(msg),
+        core::Error::OutOfBlocks { .. } => OutOfBlocks::new_err(msg),
+        core::Error::InvariantViolated(_) => PyRuntimeError::new_err(msg),
+        core::Error::DuplicateSequence(_)
+        | core::Error::SwappedOut(_)
+        | core::Error::NotSwappedOut(_)
+        | core::Error::InvalidArgument(_) => PyValueError::new_err(msg),
+    }
+}
+
+/// Reads a 1-D integer array or sequence as `i128` values, naming `what` in errors.
+fn integers(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i128>> {
+    if let Ok(array) = obj.downcast::<PyUntypedArray>() {
+        if array.ndim() != 1 {
+            return Err(PyValueError::new_err(format!(
+                "{what} must be 1-D, got an array of shape {:?}",
+                array.shape()
+            )));
+        }
+        macro_rules! read_as {
+            ($($t:ty),*) => {$(
+                if array.dtype().is_equiv_to(&numpy::dtype::<$t>(obj.py())) {
+                    let typed = array.downcast::<PyArray1<$t>>()?.readonly();
+                    return Ok(typed.as_array().iter().map(|&v| v as i128).collect());
+                }
+            )*};
+        }
+        read_as!(i64, i32, u32, u64, i16, u16, i8, u8);
+        return Err(PyValueError::new_err(format!(
+            "{what} must be an integer array, got dtype {}",
+            array.dtype()
+        )));
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be a sequence of ints, not a string"
+        )));
+    }
+    obj.extract::<Vec<i128>>().map_err(|_| {
+        PyValueError::new_err(format!("{what} must be a 1-D integer array or a sequence of ints"))
+    })
+}
+
+/// Converts to `T`, naming the value and the allowed range on failure.
+fn in_range<T: TryFrom<i128>>(values: Vec<i128>, what: &str, max: i128) -> PyResult<Vec<T>> {
+    values
+        .into_iter()
+        .map(|v| {
+            T::try_from(v).ok().filter(|_| v <= max).ok_or_else(|| {
+                PyValueError::new_err(format!("{what} must be in [0, {max}], got {v}"))
+            })
+        })
+        .collect()
+}
+
+fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    in_range(integers(obj, "token_ids")?, "token ids", u32::MAX.into())
+}
+
+fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    in_range(integers(obj, "seq_ids")?, "sequence ids", u64::MAX.into())
+}
+
+fn seq_id(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let value: i128 = obj
+        .extract()
+        .map_err(|_| PyValueError::new_err("a sequence id must be an int"))?;
+    u64::try_from(value).map_err(|_| {
+        PyValueError::new_err(format!("sequence ids must be in [0, 2**64), got {value}"))
+    })
+}
+
+fn salt_bytes(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
+    let Some(salt) = salt else { return Ok(None) };
+    if let Ok(s) = salt.downcast::<PyString>() {
+        return Ok(Some(s.to_str()?.as_bytes().to_vec()));
+    }
+    if let Ok(b) = salt.downcast::<PyBytes>() {
+        return Ok(Some(b.as_bytes().to_vec()));
+    }
+    Err(PyValueError::new_err("salt must be bytes, str or None"))
+}
+
+fn pairs<'py>(py: Python<'py>, pairs: Vec<[u32; 2]>) -> Bound<'py, PyArray2<i32>> {
+    let n = pairs.len();
+    let flat: Vec<i32> = pairs.into_iter().flatten().map(|b| b as i32).collect();
+    Array2::from_shape_vec((n, 2), flat)
+        .expect("n * 2 values")
+        .into_pyarray(py)
+}
+
+/// The paged KV-cache block manager (see `pagedkv.BlockManager`).
+#[pyclass(frozen, module = "pagedkv._core")]
+struct BlockManager {
+    inner: core::BlockManager,
+}
+
+#[pymethods]
+impl BlockManager {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size = 16, *, num_cpu_blocks = 0,
+        enable_prefix_caching = true, watermark = 0.01, hash_key = None, enable_events = false))]
+    fn new(
+        num_blocks: i64,
+        block_size: i64,
+        num_cpu_blocks: i64,
+        enable_prefix_caching: bool,
+        watermark: f64,
+        hash_key: Option<&[u8]>,
+        enable_events: bool,
+    ) -> PyResult<Self> {
+        let count = |name: &str, v: i64| {
+            u32::try_from(v)
+                .map_err(|_| PyValueError::new_err(format!("{name} must be in [0, 2**32), got {v}")))
+        };
+        let hash_key = hash_key
+            .map(|k| {
+                <[u8; 32]>::try_from(k).map_err(|_| {
+                    PyValueError::new_err(format!("hash_key must be 32 bytes, got {}", k.len()))
+                })
+            })
+            .transpose()?;
+        let config = core::Config {
+            num_blocks: count("num_blocks", num_blocks)?,
+            block_size: count("block_size", block_size)?,
+            num_cpu_blocks: count("num_cpu_blocks", num_cpu_blocks)?,
+            enable_prefix_caching,
+            watermark,
+            hash_key,
+            enable_events,
+        };
+        let inner = core::BlockManager::new(config).map_err(to_py)?;
+        Ok(BlockManager { inner })
+    }
+
+    /// Blocks in the GPU pool.
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.inner.config().num_blocks
+    }
+
+    /// Token slots per block.
+    #[getter]
+    fn block_size(&self) -> u32 {
+        self.inner.config().block_size
+    }
+
+    /// Blocks in the CPU swap pool.
+    #[getter]
+    fn num_cpu_blocks(&self) -> u32 {
+        self.inner.config().num_cpu_blocks
+    }
+
+    #[pyo3(signature = (seq_id, token_ids, *, salt = None))]
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let (id, tokens, salt) = (self::seq_id(seq_id)?, self::token_ids(token_ids)?, salt_bytes(salt)?);
+        py.detach(|| self.inner.allocate(id, &tokens, salt.as_deref()))
+            .map_err(to_py)
+    }
+
+    #[pyo3(signature = (token_ids, *, salt = None))]
+    fn can_allocate(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let (tokens, salt) = (self::token_ids(token_ids)?, salt_bytes(salt)?);
+        Ok(py.detach(|| self.inner.can_allocate(&tokens, salt.as_deref())))
+    }
+
+    fn append(&self, seq_id: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (id, tokens) = (self::seq_id(seq_id)?, self::token_ids(token_ids)?);
+        self.inner.append(id, &tokens).map_err(to_py)
+    }
+
+    fn step(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Plan> {
+        let (ids, tokens) = (self::seq_ids(seq_ids)?, self::token_ids(token_ids)?);
+        let mut plan = core::Plan::new();
+        py.detach(|| self.inner.step(&ids, &tokens, &mut plan))
+            .map_err(to_py)?;
+        Ok(Plan::new(plan, self.inner.config().block_size))
+    }
+
+    fn plan(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        query_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<Plan> {
+        let ids = self::seq_ids(seq_ids)?;
+        let lens: Vec<u32> = in_range(integers(query_lens, "query_lens")?, "query lengths", u32::MAX.into())?;
+        let mut plan = core::Plan::new();
+        py.detach(|| self.inner.plan(&ids, &lens, &mut plan))
+            .map_err(to_py)?;
+        Ok(Plan::new(plan, self.inner.config().block_size))
+    }
+
+    fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner
+            .fork(seq_id(parent_id)?, seq_id(child_id)?)
+            .map_err(to_py)
+    }
+
+    fn free(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.free(self::seq_id(seq_id)?).map_err(to_py)
+    }
+
+    fn take_copies<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i32>> {
+        pairs(py, self.inner.take_copies())
+    }
+
+    fn swap_out<'py>(&self, py: Python<'py>, seq_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ids = self::seq_ids(seq_ids)?;
+        let moved = py.detach(|| self.inner.swap_out(&ids)).map_err(to_py)?;
+        Ok(pairs(py, moved))
+    }
+
+    fn swap_in<'py>(&self, py: Python<'py>, seq_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ids = self::seq_ids(seq_ids)?;
+        let moved = py.detach(|| self.inner.swap_in(&ids)).map_err(to_py)?;
+        Ok(pairs(py, moved))
+    }
+
+    fn block_table<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let table = self.inner.block_table(self::seq_id(seq_id)?).map_err(to_py)?;
+        Ok(table.into_iter().map(|b| b as i32).collect::<Vec<_>>().into_pyarray(py))
+    }
+
+    fn num_tokens(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.inner.num_tokens(self::seq_id(seq_id)?).map_err(to_py)
+    }
+
+    fn token_ids<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let tokens = self.inner.tokens(self::seq_id(seq_id)?).map_err(to_py)?;
+        Ok(tokens.into_pyarray(py))
+    }
+
+    fn stats(&self) -> Stats {
+        Stats(self.inner.stats())
+    }
+
+    fn take_events(&self) -> Vec<Event> {
+        self.inner.take_events().into_iter().map(Event::from).collect()
+    }
+
+    fn reset_prefix_cache(&self) {
+        self.inner.reset_prefix_cache()
+    }
+
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.check()).map_err(to_py)
+    }
+
+    fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> bool {
+        self::seq_id(seq_id).is_ok_and(|id| self.inner.contains(id))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!(
+            "BlockManager(num_blocks={}, block_size={}, num_cpu_blocks={}, sequences={})",
+            c.num_blocks,
+            c.block_size,
+            c.num_cpu_blocks,
+            self.inner.len()
+        )
+    }
+}
+
+/// The plan of one step. Each array is handed to numpy without copying the first time it is
+/// read, and is then the same object on every read.
+#[pyclass(frozen, module = "pagedkv._core")]
+struct Plan {
+    raw: Mutex<core::Plan>,
+    arrays: [PyOnceLock<Py<PyAny>>; 7],
+    #[pyo3(get)]
+    batch_size: usize,
+    #[pyo3(get)]
+    num_query_tokens: usize,
+    #[pyo3(get)]
+    block_size: u32,
+}
+
+impl Plan {
+    fn new(plan: core::Plan, block_size: u32) -> Plan {
+        Plan {
+            batch_size: plan.batch_size(),
+            num_query_tokens: plan.num_query_tokens(),
+            block_size,
+            raw: Mutex::new(plan),
+            arrays: std::array::from_fn(|_| PyOnceLock::new()),
+        }
+    }
+
+    /// Moves field `index` of the Rust plan into a numpy array, once.
+    fn array(&self, py: Python<'_>, index: usize) -> Py<PyAny> {
+        self.arrays[index]
+            .get_or_init(py, || {
+                let mut raw = self.raw.lock().unwrap_or_else(|p| p.into_inner());
+                let field = match index {
+                    0 => &mut raw.kv_indptr,
+                    1 => &mut raw.kv_indices,
+                    2 => &mut raw.kv_last_page_len,
+                    3 => &mut raw.qo_indptr,
+                    4 => &mut raw.slot_mapping,
+                    5 => &mut raw.positions,
+                    _ => &mut raw.block_tables,
+                };
+                let values = std::mem::take(field);
+                if index == 6 {
+                    let rows = self.batch_size;
+                    let cols = raw.max_blocks;
+                    Array2::from_shape_vec((rows, cols), values)
+                        .expect("rows * cols values")
+                        .into_pyarray(py)
+                        .into_any()
+                        .unbind()
+                } else {
+                    PyArray1::from_vec(py, values).into_any().unbind()
+                }
+            })
+            .clone_ref(py)
+    }
+}
+
+#[pymethods]
+impl Plan {
+    /// `[B + 1]` int32 offsets into `kv_indices`.
+    #[getter]
+    fn kv_indptr(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array(py, 0)
+    }
+    /// `[nnz]` int32 physical blocks of the batch, concatenated.
+    #[getter]
+    fn kv_indices(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array(py, 1)
+    }
+    /// `[B]` int32 tokens in each sequence's last block.
+    #[getter]
+    fn kv_last_page_len(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array(py, 2)
+    }
+    /// `[B + 1]` int32 offsets of each sequence's query tokens.
+    #[getter]
+    fn qo_indptr(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array(py, 3)
+    }
+    /// `[num_query_tokens]` int32 KV slot of each new token.
+    #[getter]
+    fn slot_mapping(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array(py, 4)
+    }
+    /// `[num_query_tokens]` int32 position of each new token.
+    #[getter]
+    fn positions(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array(py, 5)
+    }
+    /// `[B, max_blocks]` int32 block tables padded with -1.
+    #[getter]
+    fn block_tables(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array(py, 6)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Plan(batch_size={}, num_query_tokens={}, block_size={})",
+            self.batch_size, self.num_query_tokens, self.block_size
+        )
+    }
+}
+
+/// A snapshot of the pool and the prefix cache.
+#[pyclass(frozen, module = "pagedkv._core")]
+struct Stats(core::Stats);
+
+#[pymethods]
+impl Stats {
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.0.num_blocks
+    }
+    #[getter]
+    fn num_free(&self) -> usize {
+        self.0.num_free
+    }
+    #[getter]
+    fn num_cached(&self) -> usize {
+        self.0.num_cached
+    }
+    #[getter]
+    fn num_held(&self) -> usize {
+        self.0.num_held
+    }
+    #[getter]
+    fn usage(&self) -> f64 {
+        self.0.usage
+    }
+    #[getter]
+    fn token_usage(&self) -> f64 {
+        self.0.token_usage
+    }
+    #[getter]
+    fn stored_tokens(&self) -> usize {
+        self.0.stored_tokens
+    }
+    #[getter]
+    fn prefix_query_tokens(&self) -> u64 {
+        self.0.prefix_query_tokens
+    }
+    #[getter]
+    fn prefix_hit_tokens(&self) -> u64 {
+        self.0.prefix_hit_tokens
+    }
+    #[getter]
+    fn evictions(&self) -> u64 {
+        self.0.evictions
+    }
+
+    fn __repr__(&self) -> String {
+        let s = &self.0;
+        format!(
+            "Stats(num_blocks={}, num_free={}, num_cached={}, num_held={}, usage={:.4}, \
+             token_usage={:.4}, stored_tokens={}, prefix_query_tokens={}, prefix_hit_tokens={}, \
+             evictions={})",
+            s.num_blocks,
+            s.num_free,
+            s.num_cached,
+            s.num_held,
+            s.usage,
+            s.token_usage,
+            s.stored_tokens,
+            s.prefix_query_tokens,
+            s.prefix_hit_tokens,
+            s.evictions
+        )
+    }
+}
+
+/// One prefix-cache change: kind "stored", "removed" or "cleared".
+#[pyclass(frozen, get_all, module = "pagedkv._core")]
+struct Event {
+    kind: &'static str,
+    seq_no: u64,
+    block_hash: Option<u128>,
+    parent_hash: Option<u128>,
+    token_ids: Vec<u32>,
+}
+
+impl From<core::Event> for Event {
+    fn from(event: core::Event) -> Event {
+        let (kind, block_hash, parent_hash, token_ids) = match event.kind {
+            core::EventKind::BlockStored {
+                block_hash,
+                parent_hash,
+                token_ids,
+            } => ("stored", Some(block_hash), parent_hash, token_ids),
+            core::EventKind::BlockRemoved { block_hash } => {
+                ("removed", Some(block_hash), None, Vec::new())
+            }
+            core::EventKind::AllBlocksCleared => ("cleared", None, None, Vec::new()),
+        };
+        Event {
+            kind,
+            seq_no: event.seq_no,
+            block_hash,
+            parent_hash,
+            token_ids,
+        }
+    }
+}
+
+#[pymethods]
+impl Event {
+    fn __repr__(&self) -> String {
+        format!(
+            "Event(kind={:?}, seq_no={}, block_hash={:?}, parent_hash={:?}, token_ids={:?})",
+            self.kind, self.seq_no, self.block_hash, self.parent_hash, self.token_ids
+        )
+    }
+}
+
+/// The compiled core of pagedkv.
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<BlockManager>()?;
+    m.add_class::<Plan>()?;
+    m.add_class::<Stats>()?;
+    m.add_class::<Event>()?;
+    m.add("OutOfBlocks", m.py().get_type::<OutOfBlocks>())?;
+    Ok(())
+}

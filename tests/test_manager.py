@@ -1,0 +1,822 @@
+"""Unit tests of pagedkv.BlockManager: every method, every error path, values checked by hand.
+
+Block ids are predictable (rust/core/SEMANTICS.md): the free list is a LIFO stack that starts
+with block 0 on top, and cached blocks are evicted least recently released first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv import BlockManager, OutOfBlocks
+
+KEY = bytes(range(32))
+STATS_FIELDS = (
+    "num_blocks",
+    "num_free",
+    "num_cached",
+    "num_held",
+    "usage",
+    "token_usage",
+    "prefix_query_tokens",
+    "prefix_hit_tokens",
+    "evictions",
+)
+PLAN_ARRAYS = (
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "qo_indptr",
+    "slot_mapping",
+    "positions",
+    "block_tables",
+)
+
+
+def stats_of(mgr: BlockManager) -> dict[str, Any]:
+    """Every Stats field as a dict, for equality checks."""
+    stats = mgr.stats()
+    return {name: getattr(stats, name) for name in STATS_FIELDS}
+
+
+def snapshot(mgr: BlockManager, seq_ids: list[int]) -> dict[str, Any]:
+    """Everything observable about `mgr` and the given sequences."""
+    state: dict[str, Any] = {"stats": stats_of(mgr), "len": len(mgr)}
+    for seq_id in seq_ids:
+        if seq_id not in mgr:
+            state[str(seq_id)] = None
+            continue
+        try:
+            table: list[int] | str = mgr.block_table(seq_id).tolist()
+        except ValueError:
+            table = "swapped out"
+        state[str(seq_id)] = (mgr.num_tokens(seq_id), mgr.token_ids(seq_id).tolist(), table)
+    return state
+
+
+def assert_fails_unchanged(
+    mgr: BlockManager, seq_ids: list[int], exc: type[BaseException], op: Callable[[], object]
+) -> BaseException:
+    """Run `op`, expect `exc`, and check that nothing observable changed."""
+    before = snapshot(mgr, seq_ids)
+    with pytest.raises(exc) as info:
+        op()
+    assert snapshot(mgr, seq_ids) == before
+    mgr.check()
+    return info.value
+
+
+def tables(mgr: BlockManager, *seq_ids: int) -> list[list[int]]:
+    return [mgr.block_table(s).tolist() for s in seq_ids]
+
+
+# ---- construction ---------------------------------------------------------------------------
+
+
+def test_new_manager_is_empty() -> None:
+    mgr = BlockManager(10, 4, num_cpu_blocks=3)
+    assert (mgr.num_blocks, mgr.block_size, mgr.num_cpu_blocks) == (10, 4, 3)
+    assert stats_of(mgr) == {
+        "num_blocks": 10,
+        "num_free": 10,
+        "num_cached": 0,
+        "num_held": 0,
+        "usage": 0.0,
+        "token_usage": 0.0,
+        "prefix_query_tokens": 0,
+        "prefix_hit_tokens": 0,
+        "evictions": 0,
+    }
+    assert len(mgr) == 0
+    assert 0 not in mgr
+    assert BlockManager(5).block_size == 16
+    mgr.check()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_blocks": 0},
+        {"num_blocks": 4, "block_size": 0},
+        {"num_blocks": 4, "hash_key": b"short"},
+        {"num_blocks": 4, "watermark": -0.5},
+        {"num_blocks": 4, "watermark": 1.5},
+    ],
+)
+def test_bad_constructor_arguments(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        BlockManager(**kwargs)
+
+
+# ---- allocate -------------------------------------------------------------------------------
+
+
+def test_allocate_takes_blocks_in_order() -> None:
+    mgr = BlockManager(8, 4)
+    assert mgr.allocate(1, list(range(10))) == 0
+    assert mgr.allocate(2, [100, 101]) == 0
+    assert tables(mgr, 1, 2) == [[0, 1, 2], [3]]
+    assert mgr.num_tokens(1) == 10
+    assert mgr.token_ids(1).tolist() == list(range(10))
+    assert 1 in mgr and 2 in mgr and 3 not in mgr
+    assert len(mgr) == 2
+    for table in (mgr.block_table(1), mgr.block_table(2)):
+        assert table.dtype == np.int32
+    mgr.check()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: t,
+        lambda t: np.array(t, dtype=np.int32),
+        lambda t: np.array(t, dtype=np.int64),
+        lambda t: np.array(t, dtype=np.uint32),
+        lambda t: np.repeat(np.array(t, dtype=np.int64), 2)[::2],  # strided view
+    ],
+    ids=["list", "int32", "int64", "uint32", "strided-int64"],
+)
+def test_token_id_containers_are_equivalent(make: Callable[[list[int]], Any]) -> None:
+    tokens = [5, 6, 7, 8, 9, 10, 2**31 - 1]
+    mgr = BlockManager(8, 2)
+    assert mgr.allocate(1, tokens) == 0
+    # The same prompt in another container hashes the same: three full blocks are reused.
+    assert mgr.allocate(2, make(tokens)) == 6
+    assert mgr.token_ids(2).tolist() == tokens
+    mgr.append(2, make([3, 4]))
+    mgr.step(np.array([1, 2], dtype=np.int64), make([11, 12]))
+    assert mgr.token_ids(2).tolist() == [*tokens, 3, 4, 12]
+    assert mgr.token_ids(1).tolist() == [*tokens, 11]
+    mgr.check()
+
+
+def test_largest_token_id() -> None:
+    mgr = BlockManager(8, 2)
+    big = 2**32 - 1
+    mgr.allocate(1, [big, 0, big])
+    assert mgr.allocate(2, np.array([big, 0, big], dtype=np.uint32)) == 2
+    assert mgr.allocate(3, np.array([big, 0, big], dtype=np.int64)) == 2
+    mgr.append(1, [big])
+    assert mgr.token_ids(1).tolist() == [big, 0, big, big]
+    mgr.check()
+
+
+def test_allocate_duplicate_id() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3])
+    assert_fails_unchanged(mgr, [1], ValueError, lambda: mgr.allocate(1, [4, 5]))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [],
+        np.array([], dtype=np.int64),
+        [1, -1],
+        [2**32],
+        np.array([3, -2], dtype=np.int64),
+        np.array([2**32], dtype=np.int64),
+        np.array([1.0, 2.0]),
+        [1.5, 2.0],
+        np.array([[1, 2], [3, 4]], dtype=np.int64),
+    ],
+    ids=[
+        "empty-list",
+        "empty-array",
+        "negative",
+        "too-large",
+        "negative-array",
+        "too-large-array",
+        "float-array",
+        "float-list",
+        "2d-array",
+    ],
+)
+def test_bad_token_ids(bad: Any) -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3])
+    assert_fails_unchanged(mgr, [1, 2], ValueError, lambda: mgr.allocate(2, bad))
+    assert_fails_unchanged(mgr, [1, 2], ValueError, lambda: mgr.append(1, bad))
+    with pytest.raises(ValueError):
+        mgr.can_allocate(bad)
+
+
+def test_allocate_out_of_blocks_changes_nothing() -> None:
+    def setup() -> BlockManager:
+        mgr = BlockManager(8, 2, hash_key=KEY, enable_events=True)
+        mgr.allocate(1, [1, 2, 3, 4, 5])  # blocks 0, 1, 2
+        mgr.allocate(2, [9, 9, 9, 9])  # blocks 3, 4
+        mgr.free(2)  # 4 then 3 become cached
+        mgr.take_events()
+        return mgr
+
+    mgr, twin = setup(), setup()
+    err = assert_fails_unchanged(mgr, [1, 2, 3], OutOfBlocks, lambda: mgr.allocate(3, [7] * 17))
+    assert "GPU" in str(err)
+    assert isinstance(err, RuntimeError)
+    # Free stack, cached queue, prefix map and event log are as if the call never happened.
+    for m in (mgr, twin):
+        assert m.allocate(3, [9, 9, 9, 9, 8]) == 4
+        m.allocate(4, [6] * 3)
+    assert tables(mgr, 1, 3, 4) == tables(twin, 1, 3, 4)
+    assert stats_of(mgr) == stats_of(twin)
+    assert [(e.kind, e.seq_no, e.block_hash) for e in mgr.take_events()] == [
+        (e.kind, e.seq_no, e.block_hash) for e in twin.take_events()
+    ]
+    mgr.check()
+
+
+def test_cached_prefix_hits_count_against_capacity() -> None:
+    mgr = BlockManager(3, 2)
+    mgr.allocate(1, [1, 2, 3, 4, 5])
+    mgr.free(1)  # 2 free, then 1 and 0 cached
+    assert stats_of(mgr)["num_cached"] == 2
+    # Reviving both cached hits and one fresh block uses all three blocks.
+    assert mgr.allocate(2, [1, 2, 3, 4, 9]) == 4
+    assert tables(mgr, 2) == [[0, 1, 2]]
+    assert stats_of(mgr)["num_free"] == 0 and stats_of(mgr)["num_cached"] == 0
+    mgr.check()
+
+
+# ---- prefix cache ---------------------------------------------------------------------------
+
+
+def test_prefix_hit_never_covers_last_token() -> None:
+    mgr = BlockManager(8, 4, enable_events=True)
+    prompt = list(range(1, 9))  # exactly two full blocks
+    assert mgr.allocate(1, prompt) == 0
+    assert mgr.allocate(2, prompt) == 4  # the second block would hold the last token
+    assert tables(mgr, 1, 2) == [[0, 1], [0, 2]]
+    # Block 2 has the same hash as block 1, which already owns it: block 2 stays unhashed.
+    assert [e.kind for e in mgr.take_events()] == ["stored", "stored"]
+    assert mgr.allocate(3, [*prompt, 9]) == 8
+    assert tables(mgr, 3) == [[0, 1, 3]]
+    stats = mgr.stats()
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (8 + 8 + 9, 4 + 8)
+    for seq_id in (1, 2, 3):
+        mgr.free(seq_id)
+    stats = mgr.stats()
+    assert (stats.num_cached, stats.num_free, stats.num_held) == (2, 6, 0)
+    mgr.check()
+
+
+def test_lookup_stops_at_first_miss() -> None:
+    mgr = BlockManager(16, 2)
+    mgr.allocate(1, [1, 2, 3, 4, 5, 6, 7])
+    assert mgr.allocate(2, [1, 2, 0, 0, 5, 6, 7]) == 2  # block 1 differs; block 2 hash differs
+    assert mgr.allocate(3, [0, 2, 3, 4, 5]) == 0
+    mgr.check()
+
+
+def test_salt_separates_tenants() -> None:
+    mgr = BlockManager(32, 2)
+    prompt = [1, 2, 3, 4, 5]
+    assert mgr.allocate(1, prompt, salt=b"tenant-a") == 0
+    assert mgr.allocate(2, prompt, salt=b"tenant-b") == 0
+    assert mgr.allocate(3, prompt) == 0
+    assert mgr.allocate(4, prompt, salt=b"tenant-a") == 4
+    assert mgr.allocate(5, prompt, salt=b"tenant-b") == 4
+    assert mgr.allocate(6, prompt) == 4
+    assert mgr.allocate(7, prompt, salt="text-salt") == 0
+    assert mgr.allocate(8, prompt, salt="text-salt") == 4
+    assert mgr.can_allocate(prompt, salt=b"tenant-a")
+    mgr.check()
+
+
+def test_hash_key_makes_managers_agree() -> None:
+    def stored_hashes(key: bytes | None) -> list[tuple[int | None, int | None]]:
+        mgr = BlockManager(16, 4, hash_key=key, enable_events=True)
+        mgr.allocate(1, list(range(13)), salt=b"s")
+        mgr.allocate(2, list(range(9)))
+        events = mgr.take_events()
+        assert [e.kind for e in events] == ["stored"] * 5
+        return [(e.block_hash, e.parent_hash) for e in events]
+
+    first = stored_hashes(KEY)
+    assert stored_hashes(KEY) == first
+    assert stored_hashes(bytes(32)) != first
+    assert stored_hashes(None) != stored_hashes(None)  # random keys
+    for block_hash, _ in first:
+        assert block_hash is not None and 0 <= block_hash < 2**128
+
+
+def test_prefix_caching_disabled() -> None:
+    mgr = BlockManager(8, 2, enable_prefix_caching=False, enable_events=True)
+    prompt = [1, 2, 3, 4, 5]
+    assert mgr.allocate(1, prompt) == 0
+    assert mgr.allocate(2, prompt) == 0
+    assert tables(mgr, 1, 2) == [[0, 1, 2], [3, 4, 5]]
+    mgr.free(1)
+    mgr.free(2)
+    stats = mgr.stats()
+    assert (stats.num_cached, stats.num_free, stats.prefix_hit_tokens) == (0, 8, 0)
+    assert mgr.take_events() == []
+    mgr.check()
+
+
+def test_eviction_takes_least_recently_released_tail_first() -> None:
+    mgr = BlockManager(4, 2, enable_events=True)
+    mgr.allocate(1, [1, 2, 3])  # blocks 0 (full, hashed), 1
+    mgr.allocate(2, [4, 5, 6])  # blocks 2 (full, hashed), 3
+    mgr.free(1)  # 1 -> free stack, 0 -> cached
+    mgr.free(2)  # 3 -> free stack, 2 -> cached
+    stored = {e.token_ids[0]: e.block_hash for e in mgr.take_events()}
+    mgr.allocate(3, [9] * 7)  # free stack (LIFO) 3, 1, then cached queue 0, 2
+    assert tables(mgr, 3) == [[3, 1, 0, 2]]
+    events = mgr.take_events()
+    removed = [e.block_hash for e in events if e.kind == "removed"]
+    assert removed == [stored[1], stored[4]]
+    assert mgr.stats().evictions == 2
+    mgr.check()
+
+
+def test_tail_is_evicted_before_head() -> None:
+    mgr = BlockManager(4, 2, enable_events=True)
+    mgr.allocate(1, [1, 2, 3, 4])
+    mgr.free(1)  # block 1 then block 0 join the cached queue
+    hashes = {tuple(e.token_ids): e.block_hash for e in mgr.take_events()}
+    mgr.allocate(2, [7, 7, 7])  # free blocks 2, 3
+    mgr.allocate(3, [8])  # evicts block 1 (the tail of sequence 1)
+    assert tables(mgr, 2, 3) == [[2, 3], [1]]
+    assert [e.block_hash for e in mgr.take_events() if e.kind == "removed"] == [hashes[(3, 4)]]
+    mgr.free(2)  # 3 -> free stack, 2 -> cached
+    # The head survived, so the prefix still hits.
+    assert mgr.allocate(4, [1, 2, 5]) == 2
+    assert tables(mgr, 4) == [[0, 3]]
+    mgr.check()
+
+
+def test_prefix_hit_takes_block_out_of_queue() -> None:
+    mgr = BlockManager(4, 2)
+    mgr.allocate(1, [1, 2, 3])
+    mgr.allocate(2, [4, 5, 6])
+    mgr.free(1)
+    mgr.free(2)  # cached queue: 0, 2; free stack: 3, 1
+    assert mgr.allocate(3, [4, 5, 0]) == 2
+    assert tables(mgr, 3) == [[2, 3]]
+    mgr.allocate(4, [8] * 4)  # free 1, then evict 0
+    assert tables(mgr, 4) == [[1, 0]]
+    assert mgr.stats().evictions == 1
+    mgr.check()
+
+
+def test_reset_prefix_cache() -> None:
+    mgr = BlockManager(6, 2, enable_events=True)
+    mgr.allocate(1, [1, 2, 3, 4, 5])  # 0, 1, 2
+    mgr.allocate(2, [9, 9, 9])  # 3 (hashed), 4
+    mgr.free(2)  # 4 free, 3 cached
+    mgr.take_events()
+    mgr.reset_prefix_cache()
+    events = mgr.take_events()
+    assert [(e.kind, e.block_hash) for e in events] == [("cleared", None)]
+    stats = mgr.stats()
+    assert (stats.num_free, stats.num_cached, stats.num_held) == (3, 0, 3)
+    # Held blocks lost their hashes: no hit, and the new sequence registers its own blocks.
+    assert mgr.allocate(3, [1, 2, 3, 4, 5]) == 0
+    assert tables(mgr, 3) == [[3, 4, 5]]
+    assert [e.kind for e in mgr.take_events()] == ["stored", "stored"]
+    mgr.free(1)  # its unhashed blocks go to the free list, not the cached queue
+    stats = mgr.stats()
+    assert (stats.num_free, stats.num_cached) == (3, 0)
+    mgr.free(3)
+    stats = mgr.stats()
+    assert (stats.num_free, stats.num_cached) == (4, 2)
+    mgr.check()
+
+
+def test_can_allocate_keeps_watermark() -> None:
+    mgr = BlockManager(100, 4, watermark=0.1)  # keeps 10 blocks in reserve
+    assert mgr.can_allocate([1] * 360)  # 90 blocks
+    assert not mgr.can_allocate([1] * 361)  # 91 blocks
+    prompt = list(range(200))  # 50 full blocks
+    mgr.allocate(1, prompt)
+    # 50 available; held prefix hits cost nothing.
+    assert mgr.can_allocate(prompt + [7] * 157)  # 90 blocks, 50 hits, needs 40
+    assert not mgr.can_allocate(prompt + [7] * 161)  # 91 blocks, needs 41
+    assert not mgr.can_allocate([7] * 200)
+    before = stats_of(mgr)
+    assert mgr.can_allocate(prompt)
+    assert stats_of(mgr) == before  # read-only: no prefix counters move
+    # allocate itself ignores the watermark.
+    assert mgr.allocate(2, [5] * 200) == 0
+    assert mgr.stats().num_free == 0
+    mgr.check()
+
+
+def test_default_watermark_is_one_percent() -> None:
+    mgr = BlockManager(100, 1)
+    assert mgr.can_allocate([1] * 99)
+    assert not mgr.can_allocate([1] * 100)
+
+
+# ---- append, fork, copy-on-write ------------------------------------------------------------
+
+
+def test_append_allocates_when_last_block_full() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3])
+    mgr.append(1, [4])
+    assert tables(mgr, 1) == [[0]]
+    mgr.append(1, [5, 6, 7, 8, 9, 10])
+    assert tables(mgr, 1) == [[0, 1, 2]]
+    assert mgr.num_tokens(1) == 10
+    mgr.check()
+
+
+def test_copy_on_write_after_fork() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3, 4, 5, 6])  # blocks 0, 1 (partial)
+    mgr.fork(1, 2)
+    assert tables(mgr, 1, 2) == [[0, 1], [0, 1]]
+    assert mgr.token_ids(2).tolist() == [1, 2, 3, 4, 5, 6]
+    assert mgr.stats().num_held == 2
+    mgr.append(2, [7])
+    assert tables(mgr, 1, 2) == [[0, 1], [0, 2]]
+    mgr.append(1, [8])  # block 1 is no longer shared: no copy
+    assert tables(mgr, 1) == [[0, 1]]
+    copies = mgr.take_copies()
+    assert copies.dtype == np.int32
+    assert copies.tolist() == [[1, 2]]
+    empty = mgr.take_copies()
+    assert empty.shape == (0, 2) and empty.dtype == np.int32
+    mgr.check()
+
+
+def test_fork_of_full_block_needs_no_copy() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3, 4])
+    mgr.fork(1, 2)
+    mgr.append(2, [5])
+    mgr.append(1, [6])
+    assert tables(mgr, 1, 2) == [[0, 2], [0, 1]]
+    assert mgr.take_copies().shape == (0, 2)
+    mgr.check()
+
+
+def test_step_copy_on_write_in_batch_order() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3, 4, 5, 6])
+    mgr.fork(1, 2)
+    mgr.fork(1, 3)
+    mgr.step([2, 1, 3], [7, 8, 9])  # 2 copies, 1 copies, 3 is the last holder of block 1
+    assert tables(mgr, 1, 2, 3) == [[0, 3], [0, 2], [0, 1]]
+    assert mgr.take_copies().tolist() == [[1, 2], [1, 3]]
+    mgr.check()
+
+
+def test_fork_errors() -> None:
+    mgr = BlockManager(8, 4, num_cpu_blocks=4)
+    mgr.allocate(1, [1, 2, 3])
+    mgr.allocate(2, [4, 5, 6])
+    ids = [1, 2, 3, 4]
+    assert_fails_unchanged(mgr, ids, KeyError, lambda: mgr.fork(9, 3))
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.fork(1, 2))
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.fork(1, 1))
+    mgr.swap_out([2])
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.fork(2, 4))
+
+
+def test_append_copy_on_write_out_of_blocks() -> None:
+    mgr = BlockManager(2, 2)
+    mgr.allocate(1, [1, 2, 3])
+    mgr.fork(1, 2)
+    err = assert_fails_unchanged(mgr, [1, 2], OutOfBlocks, lambda: mgr.append(2, [4]))
+    assert "GPU" in str(err)
+    assert mgr.take_copies().shape == (0, 2)
+    assert_fails_unchanged(mgr, [1, 2], OutOfBlocks, lambda: mgr.append(1, [4, 5, 6]))
+
+
+# ---- free -----------------------------------------------------------------------------------
+
+
+def test_free_and_double_free() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3, 4, 5])
+    mgr.free(1)
+    assert 1 not in mgr and len(mgr) == 0
+    assert mgr.stats().num_held == 0
+    assert_fails_unchanged(mgr, [1], KeyError, lambda: mgr.free(1))
+
+
+def test_unknown_sequence_is_key_error() -> None:
+    mgr = BlockManager(8, 4, num_cpu_blocks=4)
+    mgr.allocate(1, [1, 2, 3])
+    ops: list[Callable[[], object]] = [
+        lambda: mgr.append(7, [1]),
+        lambda: mgr.step([1, 7], [1, 2]),
+        lambda: mgr.plan([7], [1]),
+        lambda: mgr.fork(7, 8),
+        lambda: mgr.free(7),
+        lambda: mgr.block_table(7),
+        lambda: mgr.num_tokens(7),
+        lambda: mgr.token_ids(7),
+        lambda: mgr.swap_out([1, 7]),
+        lambda: mgr.swap_in([7]),
+    ]
+    for op in ops:
+        err = assert_fails_unchanged(mgr, [1, 7], KeyError, op)
+        assert "7" in str(err)
+
+
+# ---- step and plan --------------------------------------------------------------------------
+
+
+def assert_plan(plan: Any, **expected: Any) -> None:
+    for name in PLAN_ARRAYS:
+        arr = getattr(plan, name)
+        assert arr.dtype == np.int32, name
+        assert arr.tolist() == expected[name], name
+    assert plan.batch_size == expected["batch_size"]
+    assert plan.num_query_tokens == expected["num_query_tokens"]
+
+
+def test_plan_by_hand() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3, 4, 5, 6])  # blocks 0, 1
+    mgr.allocate(2, [7, 8, 9])  # block 2
+    plan = mgr.plan([1, 2], [2, 3])
+    assert plan.block_size == 4
+    assert_plan(
+        plan,
+        kv_indptr=[0, 2, 3],
+        kv_indices=[0, 1, 2],
+        kv_last_page_len=[2, 3],
+        qo_indptr=[0, 2, 5],
+        positions=[4, 5, 0, 1, 2],
+        slot_mapping=[4, 5, 8, 9, 10],
+        block_tables=[[0, 1], [2, -1]],
+        batch_size=2,
+        num_query_tokens=5,
+    )
+    plan = mgr.plan(np.array([2, 1], dtype=np.int64), np.array([1, 6], dtype=np.int32))
+    assert_plan(
+        plan,
+        kv_indptr=[0, 1, 3],
+        kv_indices=[2, 0, 1],
+        kv_last_page_len=[3, 2],
+        qo_indptr=[0, 1, 7],
+        positions=[2, 0, 1, 2, 3, 4, 5],
+        slot_mapping=[10, 0, 1, 2, 3, 4, 5],
+        block_tables=[[2, -1], [0, 1]],
+        batch_size=2,
+        num_query_tokens=7,
+    )
+    mgr.check()
+
+
+def test_step_by_hand() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3, 4, 5, 6])  # blocks 0, 1
+    mgr.allocate(2, [7, 8, 9])  # block 2
+    plan = mgr.step([1, 2], [10, 11])
+    assert_plan(
+        plan,
+        kv_indptr=[0, 2, 3],
+        kv_indices=[0, 1, 2],
+        kv_last_page_len=[3, 4],
+        qo_indptr=[0, 1, 2],
+        positions=[6, 3],
+        slot_mapping=[6, 11],
+        block_tables=[[0, 1], [2, -1]],
+        batch_size=2,
+        num_query_tokens=2,
+    )
+    plan = mgr.step(np.array([1, 2], dtype=np.int64), np.array([12, 13], dtype=np.int32))
+    assert_plan(
+        plan,
+        kv_indptr=[0, 2, 4],
+        kv_indices=[0, 1, 2, 3],
+        kv_last_page_len=[4, 1],
+        qo_indptr=[0, 1, 2],
+        positions=[7, 4],
+        slot_mapping=[7, 12],
+        block_tables=[[0, 1], [2, 3]],
+        batch_size=2,
+        num_query_tokens=2,
+    )
+    assert mgr.token_ids(1).tolist() == [1, 2, 3, 4, 5, 6, 10, 12]
+    assert mgr.token_ids(2).tolist() == [7, 8, 9, 11, 13]
+    mgr.check()
+
+
+def test_step_errors_change_nothing() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3])
+    mgr.allocate(2, [4, 5])
+    ids = [1, 2]
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.step([1, 1], [5, 6]))
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.step([1, 2], [5]))
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.step([1, 2], [5, -6]))
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.step([1, 2], np.array([5.0, 6.0])))
+    two_d = np.array([[1], [2]], dtype=np.int64)
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.step(two_d, [5, 6]))
+    assert_fails_unchanged(mgr, ids, KeyError, lambda: mgr.step([1, 2, 3], [5, 6, 7]))
+
+
+def test_step_out_of_blocks_is_atomic() -> None:
+    mgr = BlockManager(4, 2)
+    for seq_id in range(4):
+        mgr.allocate(seq_id, [seq_id, seq_id])  # every block full and held
+    assert_fails_unchanged(mgr, [0, 1, 2, 3], OutOfBlocks, lambda: mgr.step([0, 1], [7, 7]))
+    assert mgr.num_tokens(0) == 2
+
+
+@pytest.mark.parametrize(
+    "query_lens",
+    [[0, 1], [1, 4], [-1, 1], [1], [1, 1, 1], np.array([1.0, 1.0])],
+    ids=["zero", "too-long", "negative", "short", "long", "float"],
+)
+def test_plan_bad_query_lens(query_lens: Any) -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3])
+    mgr.allocate(2, [4, 5, 6])
+    assert_fails_unchanged(mgr, [1, 2], ValueError, lambda: mgr.plan([1, 2], query_lens))
+
+
+def test_plan_repeated_sequence() -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3])
+    assert_fails_unchanged(mgr, [1], ValueError, lambda: mgr.plan([1, 1], [1, 1]))
+
+
+def test_plan_arrays_are_zero_copy() -> None:
+    mgr = BlockManager(16, 4)
+    mgr.allocate(1, list(range(9)))
+    mgr.allocate(2, [1, 2])
+    plan = mgr.step(np.array([1, 2], dtype=np.int64), np.array([3, 4], dtype=np.int32))
+    for name in PLAN_ARRAYS:
+        arr = getattr(plan, name)
+        again = getattr(plan, name)
+        assert arr.dtype == np.int32 and arr.flags.c_contiguous, name
+        # A view of a buffer owned elsewhere (the Rust plan), not a fresh numpy allocation...
+        assert not arr.flags.owndata and arr.base is not None, name
+        # ...and the same buffer on every access, while both arrays are alive.
+        assert arr.ctypes.data == again.ctypes.data, name
+        tensor = torch.from_numpy(arr)
+        assert tensor.data_ptr() == arr.ctypes.data, name
+        assert np.shares_memory(tensor.numpy(), arr), name
+    mgr.check()
+
+
+def test_old_plan_survives_next_step() -> None:
+    mgr = BlockManager(16, 4)
+    mgr.allocate(1, list(range(7)))
+    plan = mgr.step([1], [7])
+    saved = {name: getattr(plan, name).copy() for name in PLAN_ARRAYS}
+    for token in range(8, 20):
+        mgr.step([1], [token])
+    for name in PLAN_ARRAYS:
+        assert np.array_equal(getattr(plan, name), saved[name]), name
+
+
+# ---- swap -----------------------------------------------------------------------------------
+
+
+def test_swap_round_trip() -> None:
+    mgr = BlockManager(8, 4, num_cpu_blocks=4)
+    prompt = list(range(10))
+    mgr.allocate(1, prompt)  # 0, 1, 2
+    mgr.fork(1, 2)
+    pairs = mgr.swap_out([1, 2])
+    assert pairs.dtype == np.int32
+    assert pairs.tolist() == [[0, 0], [1, 1], [2, 2]]  # shared blocks copied once
+    stats = mgr.stats()
+    # Block 2 (partial, unhashed) is free again; the full blocks 1 and 0 are cached.
+    assert (stats.num_free, stats.num_cached, stats.num_held) == (6, 2, 0)
+    assert mgr.num_tokens(1) == 10 and mgr.token_ids(2).tolist() == prompt
+    assert 1 in mgr and len(mgr) == 2
+    pairs = mgr.swap_in([1, 2])
+    assert pairs.tolist() == [[0, 2], [1, 3], [2, 4]]
+    assert tables(mgr, 1, 2) == [[2, 3, 4], [2, 3, 4]]
+    stats = mgr.stats()
+    assert (stats.num_free, stats.num_cached, stats.num_held) == (3, 2, 3)
+    mgr.append(1, [10])  # still shared after the round trip: copy on write
+    assert mgr.take_copies().tolist() == [[4, 5]]
+    mgr.check()
+
+
+def test_swap_in_registers_full_blocks() -> None:
+    mgr = BlockManager(8, 2, num_cpu_blocks=4)
+    mgr.allocate(1, [1, 2, 3, 4, 5])
+    mgr.swap_out([1])
+    mgr.reset_prefix_cache()  # forget the GPU copies
+    mgr.swap_in([1])
+    assert tables(mgr, 1) == [[0, 1, 2]]
+    assert mgr.allocate(2, [1, 2, 3, 4, 9]) == 4
+    mgr.check()
+
+
+def test_swap_misuse() -> None:
+    mgr = BlockManager(8, 4, num_cpu_blocks=8)
+    mgr.allocate(1, [1, 2, 3, 4, 5])
+    mgr.allocate(2, [6, 7])
+    ids = [1, 2, 3]
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.swap_in([1]))
+    assert_fails_unchanged(mgr, ids, ValueError, lambda: mgr.swap_out([1, 1]))
+    mgr.swap_out([1])
+    for op in [
+        lambda: mgr.swap_out([1]),
+        lambda: mgr.swap_out([2, 1]),
+        lambda: mgr.append(1, [1]),
+        lambda: mgr.step([1], [1]),
+        lambda: mgr.plan([1], [1]),
+        lambda: mgr.block_table(1),
+        lambda: mgr.fork(1, 3),
+        lambda: mgr.swap_in([1, 2]),
+        lambda: mgr.swap_in([1, 1]),
+    ]:
+        assert_fails_unchanged(mgr, ids, ValueError, op)
+    mgr.free(1)  # freeing a swapped-out sequence returns its CPU blocks
+    assert 1 not in mgr
+    assert mgr.swap_out([2]).tolist() == [[2, 0]]
+    mgr.check()
+
+
+def test_swap_out_of_blocks() -> None:
+    mgr = BlockManager(4, 2, num_cpu_blocks=2)
+    mgr.allocate(1, [1, 2, 3, 4, 5])  # 3 blocks
+    err = assert_fails_unchanged(mgr, [1], OutOfBlocks, lambda: mgr.swap_out([1]))
+    assert "CPU" in str(err)
+    no_cpu = BlockManager(4, 2)
+    no_cpu.allocate(1, [1])
+    assert_fails_unchanged(no_cpu, [1], OutOfBlocks, lambda: no_cpu.swap_out([1]))
+
+    mgr = BlockManager(4, 2, num_cpu_blocks=4)
+    mgr.allocate(1, [1, 2, 3, 4, 5])
+    mgr.swap_out([1])
+    mgr.allocate(2, [9] * 7)  # takes every GPU block, evicting the cached ones
+    err = assert_fails_unchanged(mgr, [1, 2], OutOfBlocks, lambda: mgr.swap_in([1]))
+    assert "GPU" in str(err)
+
+
+# ---- events and stats -----------------------------------------------------------------------
+
+
+def test_events() -> None:
+    mgr = BlockManager(4, 2, enable_events=True)
+    mgr.allocate(1, [1, 2, 3, 4, 5])
+    events = mgr.take_events()
+    assert [(e.kind, e.token_ids) for e in events] == [("stored", [1, 2]), ("stored", [3, 4])]
+    first, second = events
+    assert first.parent_hash is None
+    assert second.parent_hash == first.block_hash
+    assert first.block_hash != second.block_hash
+    assert second.seq_no == first.seq_no + 1
+    assert mgr.take_events() == []
+    mgr.free(1)  # caching a block is not an event
+    mgr.allocate(2, [7] * 8)  # evicts block 1 then block 0
+    later = mgr.take_events()
+    removed = [e for e in later if e.kind == "removed"]
+    assert [e.block_hash for e in removed] == [second.block_hash, first.block_hash]
+    assert len(later) == 6  # two removed, then the new sequence's four stored blocks
+    mgr.reset_prefix_cache()
+    cleared = mgr.take_events()
+    assert [(e.kind, e.block_hash, e.parent_hash) for e in cleared] == [("cleared", None, None)]
+    seq_nos = [e.seq_no for e in [*events, *later, *cleared]]
+    assert seq_nos == list(range(seq_nos[0], seq_nos[0] + 9))
+    mgr.check()
+
+
+def test_events_disabled() -> None:
+    mgr = BlockManager(4, 2)
+    mgr.allocate(1, [1, 2, 3])
+    assert mgr.take_events() == []
+
+
+def test_stats_by_hand() -> None:
+    mgr = BlockManager(10, 4)
+    mgr.allocate(1, [1, 2, 3, 4, 5, 6])  # 0, 1
+    stats = mgr.stats()
+    assert stats.num_held == 2
+    assert (stats.usage, stats.token_usage) == pytest.approx((0.2, 6 / 8))
+    mgr.fork(1, 2)  # shared blocks count once
+    assert mgr.stats().token_usage == pytest.approx(6 / 8)
+    mgr.append(2, [7, 8])  # copy on write to block 2, now full
+    stats = mgr.stats()
+    assert stats.num_held == 3
+    assert stats.token_usage == pytest.approx((4 + 2 + 4) / 12)
+    assert mgr.allocate(3, [1, 2, 3, 4, 5, 9]) == 4  # 0, 3
+    stats = mgr.stats()
+    assert stats.num_held == 4
+    assert stats.usage == pytest.approx(0.4)
+    assert stats.token_usage == pytest.approx((4 + 2 + 4 + 2) / 16)
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (12, 4)
+    for seq_id in (1, 2, 3):
+        mgr.free(seq_id)
+    assert stats_of(mgr) == {
+        "num_blocks": 10,
+        "num_free": 8,
+        "num_cached": 2,
+        "num_held": 0,
+        "usage": 0.0,
+        "token_usage": 0.0,
+        "prefix_query_tokens": 12,
+        "prefix_hit_tokens": 4,
+        "evictions": 0,
+    }
+    mgr.check()

@@ -1,0 +1,353 @@
+"""Drive pagedkv.BlockManager and the Python reference model side by side with Hypothesis.
+
+The semantics are deterministic (rust/core/SEMANTICS.md), so after every operation both must
+agree on everything observable: physical block ids, copies, swap pairs, plans, statistics,
+events (up to the hash values, which only have to correspond one to one) and errors.
+Pools are small so that eviction, copy-on-write and OutOfBlocks happen often.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from reference_manager import ReferenceBlockManager
+
+from pagedkv import BlockManager, OutOfBlocks
+
+KEY = bytes(range(32))
+MAX_ID = 12
+# Shared system prompts over a tiny alphabet: prefix hits and equal blocks under different
+# parents are the common case, not the exception.
+SYSTEM_PROMPTS = ([1, 2, 3, 1, 2, 3, 1, 2], [3, 3, 2, 2, 1, 1], [0, 1] * 5)
+SALTS = (None, None, None, b"tenant-a", b"tenant-b")
+STATS_FIELDS = (
+    "num_blocks",
+    "num_free",
+    "num_cached",
+    "num_held",
+    "usage",
+    "token_usage",
+    "prefix_query_tokens",
+    "prefix_hit_tokens",
+    "evictions",
+)
+PLAN_ARRAYS = (
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "qo_indptr",
+    "slot_mapping",
+    "positions",
+    "block_tables",
+)
+token = st.integers(0, 3)
+
+
+def error_kind(err: BaseException) -> str:
+    """The API-level class of an error; anything else is a bug and propagates."""
+    if isinstance(err, OutOfBlocks):
+        return "OutOfBlocks"
+    if isinstance(err, KeyError):
+        return "KeyError"
+    if isinstance(err, ValueError):
+        return "ValueError"
+    raise err
+
+
+def as_container(tokens: list[int], how: str) -> Any:
+    """The same token ids as a list or a numpy array of the given dtype."""
+    return tokens if how == "list" else np.array(tokens, dtype=how)
+
+
+class ManagerComparison(RuleBasedStateMachine):
+    """Every rule runs on both managers; the invariant compares all observable state."""
+
+    real: BlockManager
+    ref: ReferenceBlockManager
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = False
+        self.live: set[int] = set()
+        self.swapped: set[int] = set()
+        self.real_to_ref: dict[int, int] = {}
+        self.ref_to_real: dict[int, int] = {}
+        self.seq_no_offset: int | None = None
+
+    @initialize(
+        num_blocks=st.integers(8, 24),
+        block_size=st.integers(1, 4),
+        num_cpu_blocks=st.sampled_from([0, 6, 16]),
+        prefix_caching=st.sampled_from([True, True, True, False]),
+        watermark=st.sampled_from([0.0, 0.01, 0.25]),
+    )
+    def setup(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int,
+        prefix_caching: bool,
+        watermark: float,
+    ) -> None:
+        kwargs: dict[str, Any] = {
+            "num_cpu_blocks": num_cpu_blocks,
+            "enable_prefix_caching": prefix_caching,
+            "watermark": watermark,
+            "enable_events": True,
+        }
+        self.real = BlockManager(num_blocks, block_size, hash_key=KEY, **kwargs)
+        self.ref = ReferenceBlockManager(num_blocks, block_size, **kwargs)
+        self.ready = True
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def both(self, what: str, call: Callable[[Any], Any]) -> tuple[Any, Any] | None:
+        """Run `call` on both managers: results if both succeed, None if both fail alike."""
+        outcomes: list[tuple[str, Any]] = []
+        for mgr in (self.real, self.ref):
+            try:
+                outcomes.append(("ok", call(mgr)))
+            except Exception as err:  # noqa: BLE001 - classified right below
+                outcomes.append((error_kind(err), err))
+        (real_kind, real_out), (ref_kind, ref_out) = outcomes
+        event(f"{what}: {real_kind}")
+        assert real_kind == ref_kind, (
+            f"real: {real_kind} {real_out!r}, reference: {ref_kind} {ref_out!r}"
+        )
+        if real_kind != "ok":
+            return None
+        return real_out, ref_out
+
+    def running(self) -> list[int]:
+        return sorted(self.live - self.swapped)
+
+    def draw_prompt(self, data: st.DataObject) -> list[int]:
+        start = data.draw(st.sampled_from(["system", "live", "fresh"]))
+        prefix: list[int] = []
+        if start == "system":
+            prefix = list(data.draw(st.sampled_from(SYSTEM_PROMPTS)))
+        elif start == "live" and self.live:
+            seq_id = data.draw(st.sampled_from(sorted(self.live)))
+            tokens = self.ref.token_ids(seq_id).tolist()
+            prefix = tokens[: data.draw(st.integers(0, len(tokens)))]
+        tail = data.draw(st.lists(token, min_size=0 if prefix else 1, max_size=8))
+        return prefix + tail
+
+    def draw_batch(self, data: st.DataObject, pool: list[int]) -> tuple[list[int], str | None]:
+        """A shuffled subset of `pool`, possibly spoiled by exactly one kind of fault."""
+        batch = data.draw(st.permutations(pool)) if pool else []
+        batch = batch[: data.draw(st.integers(1 if batch else 0, len(batch)))]
+        fault = data.draw(st.sampled_from([None, None, None, None, "unknown", "swapped", "repeat"]))
+        unknown = [i for i in range(MAX_ID) if i not in self.live]
+        if fault == "unknown" and unknown:
+            batch.insert(data.draw(st.integers(0, len(batch))), data.draw(st.sampled_from(unknown)))
+        elif fault == "swapped" and self.swapped:
+            batch.insert(data.draw(st.integers(0, len(batch))), min(self.swapped))
+        elif fault == "repeat" and batch:
+            batch.append(data.draw(st.sampled_from(batch)))
+        else:
+            fault = None
+        return batch, fault
+
+    def compare_plans(self, plans: tuple[Any, Any] | None) -> None:
+        if plans is None:
+            return
+        real, ref = plans
+        for name in PLAN_ARRAYS:
+            got, want = getattr(real, name), getattr(ref, name)
+            assert got.dtype == np.int32, name
+            assert got.shape == want.shape and np.array_equal(got, want), (name, got, want)
+        for name in ("batch_size", "num_query_tokens", "block_size"):
+            assert getattr(real, name) == getattr(ref, name), name
+
+    def compare_pairs(self, pairs: tuple[Any, Any] | None) -> None:
+        if pairs is None:
+            return
+        real, ref = pairs
+        assert real.dtype == np.int32 and real.shape == ref.shape, (real, ref)
+        assert np.array_equal(real, ref), (real, ref)
+
+    def bind(self, real_hash: int | None, ref_hash: int | None) -> None:
+        """Hashes must correspond one to one across the two managers."""
+        assert (real_hash is None) == (ref_hash is None)
+        if real_hash is None or ref_hash is None:
+            return
+        assert self.real_to_ref.setdefault(real_hash, ref_hash) == ref_hash
+        assert self.ref_to_real.setdefault(ref_hash, real_hash) == real_hash
+
+    # ---- rules -----------------------------------------------------------------------------
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def allocate(self, data: st.DataObject) -> None:
+        free_ids = [i for i in range(MAX_ID) if i not in self.live]
+        if free_ids and data.draw(st.integers(0, 9)):
+            seq_id = data.draw(st.sampled_from(free_ids))
+        else:
+            seq_id = data.draw(st.integers(0, MAX_ID - 1))
+        prompt = self.draw_prompt(data)
+        tokens = as_container(prompt, data.draw(st.sampled_from(["list", "int64", "int32"])))
+        salt = data.draw(st.sampled_from(SALTS))
+        out = self.both("allocate", lambda m: m.allocate(seq_id, tokens, salt=salt))
+        if out is not None:
+            assert out[0] == out[1]
+            self.live.add(seq_id)
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def can_allocate(self, data: st.DataObject) -> None:
+        prompt = self.draw_prompt(data)
+        salt = data.draw(st.sampled_from(SALTS))
+        out = self.both("can_allocate", lambda m: m.can_allocate(prompt, salt=salt))
+        assert out is not None and out[0] == out[1]
+
+    @precondition(lambda self: self.ready and bool(self.live))
+    @rule(data=st.data(), tokens=st.lists(token, min_size=1, max_size=6))
+    def append(self, data: st.DataObject, tokens: list[int]) -> None:
+        seq_id = data.draw(st.sampled_from([*sorted(self.live), MAX_ID]))
+        self.both("append", lambda m: m.append(seq_id, tokens))
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        batch, _ = self.draw_batch(data, self.running())
+        if not batch:
+            return
+        tokens = data.draw(st.lists(token, min_size=len(batch), max_size=len(batch)))
+        how = data.draw(st.sampled_from(["list", "int64", "int32"]))
+        ids: Any = batch if how == "list" else np.array(batch, dtype=np.int64)
+        toks = as_container(tokens, how)
+        self.compare_plans(self.both("step", lambda m: m.step(ids, toks)))
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def plan(self, data: st.DataObject) -> None:
+        batch, fault = self.draw_batch(data, self.running())
+        if not batch:
+            return
+        lens = [
+            data.draw(st.integers(1, self.ref.num_tokens(s))) if s in self.live else 1
+            for s in batch
+        ]
+        if fault is None:
+            spoil = data.draw(st.sampled_from([None, None, None, "zero", "long", "count"]))
+            if spoil == "zero":
+                lens[0] = 0
+            elif spoil == "long" and batch[0] in self.live:
+                lens[0] = self.ref.num_tokens(batch[0]) + 1
+            elif spoil == "count":
+                lens.append(1)
+        self.compare_plans(self.both("plan", lambda m: m.plan(batch, lens)))
+
+    @precondition(lambda self: self.ready and bool(self.live))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        free_ids = [i for i in range(MAX_ID) if i not in self.live]
+        parent = data.draw(st.sampled_from(sorted(self.live)))
+        if free_ids and data.draw(st.integers(0, 5)):
+            child = data.draw(st.sampled_from(free_ids))
+        else:
+            child = data.draw(st.sampled_from(sorted(self.live)))
+        if self.both("fork", lambda m: m.fork(parent, child)) is not None:
+            self.live.add(child)
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from([*sorted(self.live), MAX_ID]))
+        if self.both("free", lambda m: m.free(seq_id)) is not None:
+            self.live.discard(seq_id)
+            self.swapped.discard(seq_id)
+
+    @precondition(lambda self: self.ready and bool(self.live))
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        batch, _ = self.draw_batch(data, self.running())
+        if not batch:
+            return
+        pairs = self.both("swap_out", lambda m: m.swap_out(batch))
+        self.compare_pairs(pairs)
+        if pairs is not None:
+            self.swapped.update(batch)
+
+    @precondition(lambda self: self.ready and bool(self.swapped))
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        batch = data.draw(st.permutations(sorted(self.swapped)))
+        batch = batch[: data.draw(st.integers(1, len(batch)))]
+        if data.draw(st.integers(0, 5)) == 0 and self.running():
+            batch.append(self.running()[0])  # not swapped out: ValueError
+        pairs = self.both("swap_in", lambda m: m.swap_in(batch))
+        self.compare_pairs(pairs)
+        if pairs is not None:
+            self.swapped.difference_update(batch)
+
+    @precondition(lambda self: self.ready)
+    @rule()
+    def take_copies(self) -> None:
+        self.compare_pairs(self.both("take_copies", lambda m: m.take_copies()))
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def reset_prefix_cache(self, data: st.DataObject) -> None:
+        # Rare: it wipes the prefix cache that most other rules are trying to exercise.
+        if data.draw(st.integers(0, 4)) == 0:
+            self.both("reset_prefix_cache", lambda m: m.reset_prefix_cache())
+
+    # ---- the comparison --------------------------------------------------------------------
+
+    @invariant()
+    def agree(self) -> None:
+        if not self.ready:
+            return
+        real, ref = self.real, self.ref
+        real.check()
+        ref.check()
+        assert len(real) == len(ref) == len(self.live)
+        for seq_id in range(MAX_ID + 1):
+            assert (seq_id in real) == (seq_id in ref) == (seq_id in self.live), seq_id
+            if seq_id not in self.live:
+                continue
+            assert real.num_tokens(seq_id) == ref.num_tokens(seq_id)
+            assert real.token_ids(seq_id).tolist() == ref.token_ids(seq_id).tolist()
+            tables = self.both("agree", lambda m, s=seq_id: m.block_table(s))
+            assert (tables is None) == (seq_id in self.swapped), seq_id
+            if tables is not None:
+                assert tables[0].dtype == np.int32
+                assert tables[0].tolist() == tables[1].tolist(), seq_id
+        real_stats, ref_stats = real.stats(), ref.stats()
+        for name in STATS_FIELDS:
+            got, want = getattr(real_stats, name), getattr(ref_stats, name)
+            assert math.isclose(got, want, rel_tol=1e-9), (name, got, want)
+        self.compare_events(real.take_events(), ref.take_events())
+
+    def compare_events(self, real: list[Any], ref: list[Any]) -> None:
+        assert [e.kind for e in real] == [e.kind for e in ref]
+        for got, want in zip(real, ref, strict=True):
+            if self.seq_no_offset is None:
+                self.seq_no_offset = got.seq_no - want.seq_no
+            assert got.seq_no - want.seq_no == self.seq_no_offset
+            if got.kind == "stored":
+                assert list(got.token_ids) == want.token_ids
+                self.bind(got.parent_hash, want.parent_hash)
+            if got.kind in ("stored", "removed"):
+                self.bind(got.block_hash, want.block_hash)
+            else:
+                assert got.block_hash is None
+
+
+ManagerComparison.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    # The explain phase imports libcst, whose DeprecationWarning breaks `filterwarnings = error`.
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+)
+TestManagerComparison = ManagerComparison.TestCase
