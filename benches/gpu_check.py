@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
-
 from pagedkv.attention import PagedAttention
 from pagedkv.kv_cache import KVCache
 
@@ -132,7 +131,7 @@ def check_correctness(seed: int) -> bool:
                 hkv,
                 DIM,
                 case.bs,
-                backend,  # type: ignore[arg-type]
+                backend,
                 device="cuda",
                 dtype=DTYPE,
                 logits_soft_cap=case.cap,
@@ -167,7 +166,7 @@ def cuda_time(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
@@ -221,7 +220,11 @@ def bench_decode(quick: bool) -> None:
             plan = make_plan([ctx] * batch, [1] * batch, BS, num_blocks, seed=ctx + batch)
             q = torch.randn(batch, HQ, DIM, device="cuda", dtype=DTYPE)
             attn.plan(plan)
-            t = cuda_time(lambda q=q: attn.run(q, cache, 0), reps=20)
+
+            def run(q: torch.Tensor = q) -> torch.Tensor:
+                return attn.run(q, cache, 0)
+
+            t = cuda_time(run, reps=20)
             kv_bytes = batch * ctx * 2 * HKV * DIM * cache.layer(0).element_size()
             bw = kv_bytes / t
             plan_us = plan_overhead(attn, plan)

@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from pagedkv import BlockManager, OutOfBlocks, Plan
 from pagedkv.attention import BackendName, PagedAttention
 from pagedkv.kv_cache import KVCache
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -75,10 +74,9 @@ class PagedLlama:
         self.model = model
         self.cache = cache
         self.attn = attn
-        cfg = model.config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_heads = attn.spec.num_qo_heads
+        self.num_kv_heads = attn.spec.num_kv_heads
+        self.head_dim = attn.spec.head_dim
 
     def forward(self, input_ids: torch.Tensor, plan: Plan, last_rows: torch.Tensor) -> torch.Tensor:
         """Logits at `last_rows` of the step's packed tokens; writes every token's K/V."""
@@ -125,7 +123,8 @@ class _Engine:
         dtype = next(model.parameters()).dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.mgr = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
-        layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        layers = cfg.num_hidden_layers
+        kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads  # None means MHA
         self.gpu = KVCache(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
         self.cpu = KVCache(
             layers,
@@ -149,6 +148,7 @@ class _Engine:
         )
         self.llama = PagedLlama(model, self.gpu, attn)
         self.device = device
+        self.block_size = block_size
         self.requests = list(requests)
         self.chunk = prefill_chunk
         self.waiting = sorted(range(len(requests)), key=lambda r: requests[r].arrival_step)
@@ -163,31 +163,45 @@ class _Engine:
         self.next_id += 1
         return self.next_id - 1
 
+    def _available(self) -> int:
+        stats = self.mgr.stats()
+        return int(stats.num_free + stats.num_cached)
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _has_room(self, num_tokens: int) -> bool:
+        """Room for `num_tokens` more plus one block of growth per running sequence."""
+        return self._available() - self._blocks(num_tokens) > len(self.running)
+
     def _swap_in(self) -> None:
+        """Bring swapped sequences back, oldest first, while they fit with room to grow."""
         while self.swapped:
             seq = self.swapped[0]
-            try:
-                pairs = self.mgr.swap_in([seq.seq_id])
-            except OutOfBlocks:
+            if not self._has_room(self.mgr.num_tokens(seq.seq_id)):
                 return
-            self.gpu.swap_in(self.cpu, pairs)
+            self.gpu.swap_in(self.cpu, self.mgr.swap_in([seq.seq_id]))
             self.running.append(self.swapped.pop(0))
 
-    def _admit(self, step: int) -> None:
+    def _admit(self, step: int) -> list[_Sequence]:
+        """Admit arrived requests in order while they fit; none while any sequence is swapped."""
+        admitted: list[_Sequence] = []
         while self.waiting and not self.swapped:
             r = self.waiting[0]
             req = self.requests[r]
             if req.arrival_step > step:
-                return
+                break
             prompt = [int(t) for t in req.prompt]
             first = prompt[: self.chunk] if self.chunk else prompt
-            if not self.mgr.can_allocate(first):
-                return
+            if not (self.mgr.can_allocate(first) and self._has_room(len(first))):
+                break
             seq = _Sequence(self._new_id(), r, 0, prompt, req.max_new_tokens)
             seq.computed = self.mgr.allocate(seq.seq_id, first)
             self.result.prefix_hit_tokens += seq.computed
             self.running.append(seq)
+            admitted.append(seq)
             self.waiting.pop(0)
+        return admitted
 
     def _swap_out(self, seq: _Sequence) -> None:
         pairs = self.mgr.swap_out([seq.seq_id])
@@ -197,15 +211,12 @@ class _Engine:
         self.swapped.insert(0, seq)
 
     def _grow(self, seq: _Sequence, batch: list[_Sequence]) -> int:
-        """Give `seq` its tokens for this step; returns its query length.
+        """Append `seq`'s next prompt chunk or sampled token; returns its query length.
 
-        A sequence just admitted already holds its first chunk; otherwise it appends its next
-        prompt chunk or its sampled token, swapping out the youngest sequences not yet in this
-        step's batch when the pool is full.
+        When the pool is full, the youngest sequences not yet in this step's batch are swapped
+        out to make room; failing those, `seq` itself is (and 0 is returned), unless it is the
+        only sequence left to run.
         """
-        held = self.mgr.num_tokens(seq.seq_id)
-        if held > seq.computed:
-            return held - seq.computed
         if seq.prefilling:
             end = len(seq.prompt) if not self.chunk else seq.computed + self.chunk
             new = seq.prompt[seq.computed : end]
@@ -217,29 +228,41 @@ class _Engine:
                 self.mgr.append(seq.seq_id, new)
                 return len(new)
             except OutOfBlocks:
-                # Never a sequence holding tokens whose K/V is not computed yet: its full blocks
-                # are already in the prefix cache, and releasing them would publish garbage.
-                victims = [
-                    s
-                    for s in self.running
-                    if s is not seq
-                    and s not in batch
-                    and self.mgr.num_tokens(s.seq_id) == s.computed
-                ]
-                if not victims:
+                victims = [s for s in self.running if s is not seq and s not in batch]
+                if victims:
+                    self._swap_out(victims[-1])
+                elif batch:
+                    self._swap_out(seq)
+                    return 0
+                else:
                     raise
-                self._swap_out(victims[-1])
 
     def step(self, step: int) -> None:
+        """One engine step: swap in, grow the running sequences, admit, compute, sample."""
         self._swap_in()
-        self._admit(step)
         batch: list[_Sequence] = []
         q_lens: list[int] = []
         for seq in list(self.running):
-            if seq in self.running:  # not swapped out by an earlier sequence's growth
-                q_lens.append(self._grow(seq, batch))
+            if seq not in self.running:  # swapped out to make room for an older sequence
+                continue
+            q = self._grow(seq, batch)
+            if q:
+                q_lens.append(q)
                 batch.append(seq)
+        # Admitted after the others grew, so a sequence whose tokens are not computed yet is
+        # never swapped out: its full blocks are already in the prefix cache, and releasing
+        # them before their K/V is written would publish garbage.
+        for seq in self._admit(step):
+            q_lens.append(self.mgr.num_tokens(seq.seq_id) - seq.computed)
+            batch.append(seq)
         if not batch:
+            # Nothing runs, so nothing will change: a due request or a swapped-out sequence
+            # that does not fit now never will.
+            due = any(self.requests[r].arrival_step <= step for r in self.waiting)
+            if self.swapped or due:
+                raise RuntimeError(
+                    f"a pool of {self.mgr.num_blocks} blocks cannot hold the next sequence"
+                )
             return
         copies = self.mgr.take_copies()
         self.result.copied_blocks += len(copies)
@@ -257,7 +280,7 @@ class _Engine:
 
         self.result.steps += 1
         self.result.max_batch_size = max(self.result.max_batch_size, len(batch))
-        if any(q > 1 for q in q_lens) and any(not s.prefilling for s in batch):
+        if any(s.prefilling for s in batch) and any(not s.prefilling for s in batch):
             self.result.mixed_steps += 1
         for seq, q, token in zip(batch, q_lens, next_tokens, strict=True):
             seq.computed += q
@@ -353,7 +376,9 @@ def tiny_llama(seed: int = 0, vocab_size: int = 128) -> LlamaForCausalLM:
         pad_token_id=None,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model
 
 
 def _main() -> None:

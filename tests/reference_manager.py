@@ -108,12 +108,13 @@ def _int_list(values: Iterable[int] | npt.NDArray[np.integer], what: str) -> lis
             raise ValueError(f"{what} must be 1-D, got shape {values.shape}")
         if values.dtype.kind not in "iu":
             raise ValueError(f"{what} must hold integers, got dtype {values.dtype}")
-        return [int(v) for v in values]
+        ints: list[int] = values.tolist()
+        return ints
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int | np.integer):
             # The API reports every bad argument as ValueError, type included.
-            raise ValueError(f"{what} must hold integers, got {type(v).__name__}")  # noqa: TRY004
+            raise ValueError(f"{what} must hold integers, got {type(v).__name__}")
         out.append(int(v))
     return out
 
@@ -325,7 +326,12 @@ class ReferenceBlockManager:
         return hit_tokens
 
     def can_allocate(self, token_ids: TokenIds, *, salt: bytes | str | None = None) -> bool:
-        """Whether `allocate` would succeed and leave the watermark reserve untouched."""
+        """Whether `allocate` would succeed and leave the watermark reserve untouched.
+
+        An empty prompt is not an error here, just something that cannot be allocated.
+        """
+        if len(token_ids) == 0:
+            return False
         tokens = _tokens(token_ids)
         hits, _ = self._lookup(tokens, salt)
         reserve = math.floor(self.watermark * self.num_blocks)

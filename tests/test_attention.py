@@ -18,7 +18,6 @@ import numpy.typing as npt
 import pytest
 import torch
 import torch.nn.functional as F
-
 from pagedkv.attention import PagedAttention
 from pagedkv.kv_cache import KVCache
 
@@ -465,10 +464,11 @@ def test_block_manager_engine_with_prefix_hits_forks_and_swaps() -> None:
 # ---------------------------------------------------------------------------------------------
 # CUDA: FlashInfer against the reference on the same plan.
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@cuda
+@pytest.mark.cuda
+@requires_cuda
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("cap", [None, 30.0])
 def test_flashinfer_matches_reference(mix: str, cap: float | None) -> None:
@@ -482,7 +482,7 @@ def test_flashinfer_matches_reference(mix: str, cap: float | None) -> None:
     for backend in ("flashinfer", "torch"):
         attn = PagedAttention(
             hq, hkv, dim, bs, backend=backend, device="cuda", dtype=dtype, logits_soft_cap=cap
-        )  # type: ignore[arg-type]
+        )
         attn.plan(batch.plan)
         outs[backend] = attn.run(q, cache, 0).float()
     fi, ref = outs["flashinfer"], outs["torch"]
@@ -490,7 +490,8 @@ def test_flashinfer_matches_reference(mix: str, cap: float | None) -> None:
     assert (fi - ref).norm() / ref.norm() < 1e-2
 
 
-@cuda
+@pytest.mark.cuda
+@requires_cuda
 def test_auto_picks_flashinfer_on_cuda() -> None:
     pytest.importorskip("flashinfer")
     assert (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import subprocess
@@ -10,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pagedkv.cli import main, parse_size
 from pagedkv.simulate.progress import ProgressBar
 
@@ -93,7 +93,7 @@ def one_line_error(code: int, out: str, err: str) -> str:
         (["--gpu", "v100"], "unknown GPU 'v100'"),
         (["--block-size", "-16"], "argument --block-size: expected a positive integer, got '-16'"),
         (["--num-requests", "0"], "expected a positive integer"),
-        (["--kv-memory", "-3GB"], "expected a size such as 12GB"),
+        (["--kv-memory=-3GB"], "expected a size such as 12GB"),
         (["--kv-memory", "12 parsecs"], "expected a size such as 12GB"),
         (["--rate", "-1"], "expected a positive rate"),
         (["--seed", "x"], "expected a non-negative integer"),
@@ -171,3 +171,14 @@ def test_python_dash_m_runs_the_cli() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "paged (pagedkv)" in done.stdout
+
+
+def test_plot_without_matplotlib_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    code, out, err = run_cli(capsys, *SMALL, "--plot", "x.png")
+    assert "--plot needs matplotlib" in one_line_error(code, out, err)

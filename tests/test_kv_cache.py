@@ -8,7 +8,6 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
-
 from pagedkv.kv_cache import KVCache
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -227,10 +226,11 @@ def test_block_manager_fork_copy_on_write_and_swap_round_trip() -> None:
 
 # ---------------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@cuda
+@pytest.mark.cuda
+@requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_write_copy_and_swap_with_pinned_cpu_cache(dtype: torch.dtype) -> None:
     gpu = KVCache(2, 8, 16, 2, 64, dtype=dtype, device="cuda")

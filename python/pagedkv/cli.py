@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -78,7 +80,6 @@ def _named(table: Mapping[str, T], what: str) -> Callable[[str], str]:
             )
         return key
 
-    parse.__name__ = what  # argparse names the type in some messages
     return parse
 
 
@@ -124,17 +125,20 @@ def _simulate_epilog() -> str:
         "  max     one contiguous region per sequence of the max length (Orca Max)",
         "  pow2    prompt + output rounded up to a power of two (Orca Pow2)",
         "  oracle  exactly prompt + output, as if known in advance (Orca Oracle)",
-        "Contiguous regions are placed first-fit in one address space.",
+        "Contiguous regions lie in one address space, placed by a buddy allocator (the",
+        "paper's Orca baselines; each region rounds up to a power of two) or first-fit.",
         "",
         "memory composition (vLLM paper, Fig. 2), shares of the KV memory averaged per step:",
         "  tokens    slots holding a stored token's KV",
         "  reserved  empty slots held for a running request's future tokens",
-        "  internal  empty slots held that the request will never fill",
+        "  internal  empty slots held that the request will never fill (over-reservation,",
+        "            a buddy block's rounding, the tail of a last block)",
         "  external  slots held by no request: gaps, free or cached blocks",
         "Steps are measured until the last request is admitted (--include-drain: all).",
         "When the paged system cannot store a step's tokens it preempts the latest request,",
         "which is recomputed later (vLLM's policy); contiguous systems never need to.",
-        "Throughput: each step takes (weights + KV bytes read) / memory bandwidth, plus",
+        "Decode throughput: tokens generated per step over the step's decode time,",
+        "(weights + KV bytes read) / memory bandwidth. The simulated clock also adds",
         "2 x parameters FLOPs per prompt token / peak FLOP/s; several GPUs add up ideally.",
         "",
         "JSONL trace: one object per line with prompt_len, output_len (positive integers),",
@@ -212,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated subset of paged,max,pow2,oracle (default: all)",
     )
     sim.add_argument(
+        "--allocator",
+        choices=("buddy", "first-fit"),
+        default="buddy",
+        help="places contiguous regions: buddy (power-of-two blocks, as the paper's Orca "
+        "baselines) or first-fit (exact sizes, no rounding) (default buddy)",
+    )
+    sim.add_argument(
         "--include-drain",
         action="store_true",
         help="also measure the steps after the last admission",
@@ -239,6 +250,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             raise _UsageError(
                 f"cannot write plot {str(args.plot)!r}: no directory {str(args.plot.parent)!r}"
             )
+        if importlib.util.find_spec("matplotlib") is None:
+            raise _UsageError("--plot needs matplotlib: pip install 'pagedkv[sim]'")
     kv_memory = args.kv_memory
     if kv_memory is None:
         kv_memory = default_kv_memory(model, gpu, args.gpus)
@@ -254,6 +267,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         include_drain=args.include_drain,
         systems=args.systems or tuple(SYSTEMS),
+        allocator=args.allocator,
     )
     preset = TRACES.get(args.trace.lower())
     if preset is not None:
@@ -317,4 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_simulate(args)
     except (_UsageError, ConfigError, TraceError, SimulationError) as exc:
         print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader (e.g. `head`) left early: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

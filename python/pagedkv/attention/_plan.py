@@ -49,7 +49,9 @@ def _int32_vector(name: str, array: npt.NDArray[Any]) -> IntArray:
         if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
             raise ValueError(f"plan.{name} has values outside int32")
         arr = arr.astype(np.int32)
-    return np.ascontiguousarray(arr)
+    arr = np.ascontiguousarray(arr)
+    # torch.from_numpy warns on a read-only array; a copy of B or nnz ints is cheap.
+    return arr if arr.flags.writeable else arr.copy()
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class StepPlan:
             )
         if ((last < 1) | (last > block_size)).any():
             raise ValueError(f"plan.kv_last_page_len must lie in [1, block_size={block_size}]")
-        if (kv_indices < 0).any():
+        if int(kv_indices.min()) < 0:
             raise ValueError("plan.kv_indices holds a negative block id")
         kv_lens = (num_pages - 1) * block_size + last.astype(np.int64)
         if (kv_lens < q_lens).any():

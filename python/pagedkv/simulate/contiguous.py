@@ -2,76 +2,18 @@
 
 This is how servers stored KV before paging (Orca, FasterTransformer): a region is reserved
 at admission for the most tokens the sequence may reach and is freed whole when it finishes.
-Regions are placed first-fit, so free memory can be split into gaps too small for the next
-request: that is the external fragmentation the paged system does not have.
+An `AddressSpace` places the regions, so free memory can be split into gaps too small for
+the next request: the external fragmentation the paged system does not have.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 
+from pagedkv.simulate.address_space import AddressSpace
 from pagedkv.simulate.engine import Active
 from pagedkv.simulate.metrics import Composition
 from pagedkv.simulate.trace import Request
-
-
-class FirstFitSpace:
-    """Free gaps of the address space `[0, capacity)`, kept sorted and merged."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._starts: list[int] = [0]
-        self._ends: list[int] = [capacity]
-
-    def allocate(self, size: int) -> int | None:
-        """Start of a region of `size` slots in the lowest gap that fits, or None."""
-        if size < 1:
-            raise ValueError(f"region size must be positive, got {size}")
-        for i, (start, end) in enumerate(zip(self._starts, self._ends, strict=True)):
-            if end - start >= size:
-                if end - start == size:
-                    del self._starts[i], self._ends[i]
-                else:
-                    self._starts[i] = start + size
-                return start
-        return None
-
-    def free(self, start: int, size: int) -> None:
-        """Return the region `[start, start + size)`, merging it with adjacent gaps."""
-        end = start + size
-        i = bisect.bisect_left(self._starts, start)
-        if start < 0 or end > self.capacity or size < 1:
-            raise ValueError(f"region [{start}, {end}) is outside [0, {self.capacity})")
-        if (i > 0 and self._ends[i - 1] > start) or (
-            i < len(self._starts) and self._starts[i] < end
-        ):
-            raise ValueError(f"region [{start}, {end}) overlaps free memory")
-        merge_left = i > 0 and self._ends[i - 1] == start
-        merge_right = i < len(self._starts) and self._starts[i] == end
-        if merge_left and merge_right:
-            self._ends[i - 1] = self._ends[i]
-            del self._starts[i], self._ends[i]
-        elif merge_left:
-            self._ends[i - 1] = end
-        elif merge_right:
-            self._starts[i] = start
-        else:
-            self._starts.insert(i, start)
-            self._ends.insert(i, end)
-
-    @property
-    def free_slots(self) -> int:
-        """Slots in all gaps."""
-        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
-
-    @property
-    def gaps(self) -> list[tuple[int, int]]:
-        """The free gaps as `(start, end)`, in address order."""
-        return list(zip(self._starts, self._ends, strict=True))
-
 
 ReservationPolicy = Callable[[Request, int], int]
 
@@ -94,13 +36,15 @@ def reserve_oracle(request: Request, max_len: int) -> int:
 class ContiguousSystem:
     """A KV system that reserves one contiguous region per sequence at admission."""
 
-    def __init__(self, name: str, capacity: int, policy: ReservationPolicy, max_len: int) -> None:
+    def __init__(
+        self, name: str, space: AddressSpace, policy: ReservationPolicy, max_len: int
+    ) -> None:
         self.name = name
-        self.capacity = capacity
+        self.capacity = space.capacity
         self._policy = policy
         self._max_len = max_len
-        self._space = FirstFitSpace(capacity)
-        self._regions: dict[int, tuple[list[int], int]] = {}  # request -> (starts, size)
+        self._space = space
+        self._regions: dict[int, tuple[list[int], int]] = {}  # request -> (starts, slots held)
 
     def reservation(self, request: Request) -> int:
         """Slots reserved per sequence of `request`."""
@@ -116,14 +60,16 @@ class ContiguousSystem:
         """Reserve one region per sequence, all or none; the prompt is computed once."""
         size = self.reservation(active.request)
         starts: list[int] = []
+        held = size
         for _ in range(active.width):
-            start = self._space.allocate(size)
-            if start is None:
-                for s in starts:
-                    self._space.free(s, size)
+            region = self._space.allocate(size)
+            if region is None:
+                for start in starts:
+                    self._space.free(start)
                 return None
-            starts.append(start)
-        self._regions[active.index] = (starts, size)
+            starts.append(region[0])
+            held = region[1]  # the same for every region of one size
+        self._regions[active.index] = (starts, held)
         return active.request.prompt_len
 
     def decode(self, running: Sequence[Active]) -> list[Active]:
@@ -132,12 +78,13 @@ class ContiguousSystem:
 
     def release(self, active: Active) -> None:
         """Free the request's regions."""
-        starts, size = self._regions.pop(active.index)
+        starts, _ = self._regions.pop(active.index)
         for start in starts:
-            self._space.free(start, size)
+            self._space.free(start)
 
     def composition(self, running: Sequence[Active]) -> Composition:
-        """Token states, reservation up to the final length, and the reservation beyond it."""
+        """Token states, reservation up to the final length, and every held slot beyond it
+        (the policy's over-reservation and the allocator's rounding alike)."""
         token = reserved = internal = held = 0
         for active in running:
             _, size = self._regions[active.index]

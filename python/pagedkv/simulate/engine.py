@@ -23,7 +23,7 @@ from pagedkv.simulate.timing import StepTimeModel
 from pagedkv.simulate.trace import Request
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler removes exactly this request from its lists
 class Active:
     """A request inside the scheduler: its trace entry and how far it has got."""
 
@@ -113,12 +113,12 @@ def run(
             active.generated += 1
         comp = system.composition(running)
         seqs = width * len(running)
-        duration = timing.step_seconds(sum(a.length for a in running) * width, prefill)
-        clock += duration
+        decode = timing.decode_seconds(sum(a.length for a in running) * width)
+        clock += decode + timing.prefill_seconds(prefill)
         log.record(
             comp,
             time=clock,
-            duration=duration,
+            decode_seconds=decode,
             seqs=seqs,
             requests=len(running),
             generated=seqs,

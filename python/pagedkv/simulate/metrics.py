@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class StepLog:
     """Per-step records of one system's run, appended by the engine."""
 
     time: list[float] = field(default_factory=list)  # simulated seconds at the step's end
-    duration: list[float] = field(default_factory=list)
+    decode_seconds: list[float] = field(default_factory=list)
     token: list[int] = field(default_factory=list)
     reserved: list[int] = field(default_factory=list)
     internal: list[int] = field(default_factory=list)
@@ -60,7 +61,7 @@ class StepLog:
         comp: Composition,
         *,
         time: float,
-        duration: float,
+        decode_seconds: float,
         seqs: int,
         requests: int,
         generated: int,
@@ -68,7 +69,7 @@ class StepLog:
     ) -> None:
         """Append one step."""
         self.time.append(time)
-        self.duration.append(duration)
+        self.decode_seconds.append(decode_seconds)
         self.token.append(comp.token)
         self.reserved.append(comp.reserved)
         self.internal.append(comp.internal)
@@ -100,16 +101,16 @@ class SystemMetrics:
     mean_seqs: float
     peak_seqs: int
     mean_requests: float
-    throughput: float  # generated tokens per simulated second
+    throughput: float  # generated tokens per second of decode time
     preemptions: int
     sharing_saving: float  # 1 - held / logical slots, summed over the window
     mean_latency_per_token: float  # (finish - arrival) / output_len, mean over requests
     steps: int
     window_steps: int
-    window_seconds: float
-    series_time: np.ndarray = field(repr=False, compare=False)
-    series_token: np.ndarray = field(repr=False, compare=False)
-    series_held: np.ndarray = field(repr=False, compare=False)
+    decode_seconds: float  # decode time of the window's steps
+    series_time: npt.NDArray[np.float64] = field(repr=False, compare=False)  # step ends (s)
+    series_token: npt.NDArray[np.int64] = field(repr=False, compare=False)  # slots per step
+    series_held: npt.NDArray[np.int64] = field(repr=False, compare=False)
 
     def as_dict(self) -> dict[str, float | int | str]:
         """The scalar results, for JSON."""
@@ -130,7 +131,7 @@ class SystemMetrics:
             "mean_latency_per_token_s": self.mean_latency_per_token,
             "steps": self.steps,
             "window_steps": self.window_steps,
-            "window_seconds": self.window_seconds,
+            "decode_seconds": self.decode_seconds,
         }
 
 
@@ -153,7 +154,7 @@ def summarize(
     external = np.asarray(log.external[:n], dtype=np.float64)
     held = token + reserved + internal
     logical = float(np.sum(log.logical[:n]))
-    seconds = float(np.sum(log.duration[:n]))
+    seconds = float(np.sum(log.decode_seconds[:n]))
     return SystemMetrics(
         name=name,
         capacity=capacity,
@@ -171,7 +172,7 @@ def summarize(
         mean_latency_per_token=float(np.mean(latencies)) if latencies else 0.0,
         steps=len(log.token),
         window_steps=n,
-        window_seconds=seconds,
+        decode_seconds=seconds,
         series_time=np.asarray(log.time, dtype=np.float64),
         series_token=np.asarray(log.token, dtype=np.int64),
         series_held=np.asarray(log.token, dtype=np.int64)

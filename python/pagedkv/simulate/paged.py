@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from pagedkv import BlockManager, OutOfBlocks
 from pagedkv.simulate.engine import Active
@@ -25,10 +26,13 @@ VOCAB = 32000  # token ids are drawn below this; any value works, only equality 
 BEAM_KEEP_PROBABILITY = 0.5
 
 
-def _output_tokens(seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def _output_tokens(
+    seq_ids: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]
+) -> npt.NDArray[np.uint32]:
     """The token each sequence stores at each position (deterministic, so recompute matches)."""
     mixed = seq_ids.astype(np.uint64) * np.uint64(2654435761) + positions.astype(np.uint64)
-    return (mixed % np.uint64(VOCAB)).astype(np.uint32)
+    tokens: npt.NDArray[np.uint32] = (mixed % np.uint64(VOCAB)).astype(np.uint32)
+    return tokens
 
 
 class PromptTokens:
@@ -42,7 +46,7 @@ class PromptTokens:
             if request.prefix_id is not None:
                 self._prefix_index.setdefault(request.prefix_id, len(self._prefix_index))
 
-    def __call__(self, index: int) -> np.ndarray:
+    def __call__(self, index: int) -> npt.NDArray[np.uint32]:
         """Prompt of request `index`."""
         request = self._trace[index]
         own = np.random.default_rng([self._seed, 0, index])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 
 from pagedkv.simulate.simulation import SimulationResult
 
@@ -12,8 +13,8 @@ LEGEND = (
     "held but never to be filled; external: held by no request (gaps, free or cached blocks). "
     "Shares of the KV memory, averaged per step until the last request was admitted "
     "(--include-drain counts the drain after it). tokens/held: token states over held memory. "
-    "tok/s: estimated decode throughput, each step taking (weights + KV read) / bandwidth "
-    "plus prompt FLOPs / peak."
+    "tok/s: estimated decode throughput, tokens generated per second when each step reads the "
+    "weights and the batch's KV once at full memory bandwidth."
 )
 
 
@@ -39,6 +40,8 @@ def _header(result: SimulationResult) -> list[str]:
         f"{c.capacity:,} token slots ({c.num_blocks:,} blocks of {c.block_size}); "
         f"max length {c.max_len}"
     )
+    if any(key != "paged" for key in c.systems):
+        model_line += f"; contiguous regions placed by {c.allocator} allocation"
     return [trace_line, model_line]
 
 
@@ -78,7 +81,7 @@ def format_table(result: SimulationResult) -> str:
                     f"{m.name}: sharing blocks (fork, prefix cache) saved "
                     f"{m.sharing_saving:.1%} of the memory its sequences would hold unshared"
                 )
-    out += ["", LEGEND]
+    out += ["", *textwrap.wrap(LEGEND, width=100)]
     return "\n".join(out)
 
 

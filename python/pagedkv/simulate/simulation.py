@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedkv.simulate.address_space import ALLOCATORS
 from pagedkv.simulate.contiguous import (
     ContiguousSystem,
     ReservationPolicy,
@@ -53,6 +54,7 @@ class SimulationConfig:
     include_drain: bool = False
     watermark: float = 0.01
     systems: tuple[str, ...] = tuple(SYSTEMS)
+    allocator: str = "buddy"  # places contiguous regions: "buddy" (the paper's) or "first-fit"
 
     def __post_init__(self) -> None:
         if self.max_len == 0:
@@ -75,6 +77,10 @@ class SimulationConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.allocator not in ALLOCATORS:
+            raise ConfigError(
+                f"unknown allocator {self.allocator!r} (choose from {', '.join(ALLOCATORS)})"
+            )
         for key in self.systems:
             if key not in SYSTEMS:
                 raise ConfigError(f"unknown system {key!r} (choose from {', '.join(SYSTEMS)})")
@@ -144,6 +150,7 @@ class SimulationResult:
                 "seed": c.seed,
                 "include_drain": c.include_drain,
                 "watermark": c.watermark,
+                "allocator": c.allocator,
             },
             "systems": [m.as_dict() for m in self.systems],
         }
@@ -161,7 +168,8 @@ def build_system(key: str, trace: Sequence[Request], config: SimulationConfig) -
             watermark=config.watermark,
             name=SYSTEMS[key],
         )
-    return ContiguousSystem(SYSTEMS[key], config.capacity, _POLICIES[key], config.max_len)
+    space = ALLOCATORS[config.allocator](config.capacity)
+    return ContiguousSystem(SYSTEMS[key], space, _POLICIES[key], config.max_len)
 
 
 def simulate(

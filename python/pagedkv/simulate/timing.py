@@ -1,9 +1,11 @@
 """The step-time model: how long one continuous-batching step takes on the simulated GPUs.
 
 Decode is memory-bound: a step reads every weight once and the KV of every running sequence
-once, so it takes (weight bytes + KV bytes read) / memory bandwidth. Prompt tokens computed in
-the step (prefill) add 2 * parameters FLOPs each at the GPUs' dense 16-bit peak. Tensor
-parallelism over several GPUs is taken as ideal (bandwidth and FLOPs add up, no communication).
+once, so its decode part takes (weight bytes + KV bytes read) / memory bandwidth; decode
+throughput is the tokens a step generates over that time. Prompt tokens computed in the step
+(prefill, recompute after preemption) add 2 * parameters FLOPs each at the GPUs' dense 16-bit
+peak to the simulated clock, which paces arrivals and latency. Tensor parallelism over
+several GPUs is taken as ideal (bandwidth and FLOPs add up, no communication).
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ class StepTimeModel:
             flops=gpu.flops * num_gpus,
         )
 
+    def decode_seconds(self, context_tokens: int) -> float:
+        """Reading the weights and the KV of `context_tokens` once."""
+        return (self.weight_bytes + self.kv_bytes_per_token * context_tokens) / self.bandwidth
+
+    def prefill_seconds(self, prefill_tokens: int) -> float:
+        """Computing `prefill_tokens` prompt tokens at peak FLOP/s."""
+        return 2.0 * self.num_params * prefill_tokens / self.flops
+
     def step_seconds(self, context_tokens: int, prefill_tokens: int) -> float:
         """One step that attends over `context_tokens` and computes `prefill_tokens` prompts."""
-        read = self.weight_bytes + self.kv_bytes_per_token * context_tokens
-        return read / self.bandwidth + 2.0 * self.num_params * prefill_tokens / self.flops
+        return self.decode_seconds(context_tokens) + self.prefill_seconds(prefill_tokens)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from pagedkv.simulate.errors import TraceError
 from pagedkv.simulate.presets import TracePreset
@@ -48,7 +49,7 @@ def poisson_arrivals(num: int, rate: float, rng: np.random.Generator) -> list[fl
     return [float(t) for t in np.cumsum(rng.exponential(1.0 / rate, size=num))]
 
 
-def _lognormal_lengths(mean: float, normals: np.ndarray) -> np.ndarray:
+def _lognormal_lengths(mean: float, normals: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
     """Positive integer lengths from standard normals: a log-normal of `mean` and LENGTH_CV."""
     sigma2 = math.log1p(LENGTH_CV**2)
     mu = math.log(mean) - sigma2 / 2

@@ -84,3 +84,69 @@ mod tests {
         assert_eq!(last.fresh().generation(), 0);
     }
 }
+
+/// Token slots per block, with shift-and-mask arithmetic when it is a power of two (the usual
+/// case), since divisions dominate the per-token cost of a decode step otherwise.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockSize {
+    size: usize,
+    shift: Option<u32>,
+}
+
+impl BlockSize {
+    /// Wraps a non-zero block size.
+    pub(crate) fn new(size: usize) -> BlockSize {
+        BlockSize {
+            size,
+            shift: size.is_power_of_two().then(|| size.trailing_zeros()),
+        }
+    }
+
+    /// The size in tokens.
+    pub(crate) fn get(self) -> usize {
+        self.size
+    }
+
+    /// The block holding position `pos`.
+    pub(crate) fn index(self, pos: usize) -> usize {
+        match self.shift {
+            Some(shift) => pos >> shift,
+            None => pos / self.size,
+        }
+    }
+
+    /// The slot of position `pos` within its block.
+    pub(crate) fn offset(self, pos: usize) -> usize {
+        match self.shift {
+            Some(_) => pos & (self.size - 1),
+            None => pos % self.size,
+        }
+    }
+
+    /// Blocks needed for `len` tokens.
+    pub(crate) fn pages(self, len: usize) -> usize {
+        self.index(len + self.size - 1)
+    }
+
+    /// Tokens in block `i` of a sequence of `len` tokens.
+    pub(crate) fn fill(self, i: usize, len: usize) -> u32 {
+        (len - i * self.size).min(self.size) as u32
+    }
+}
+
+#[cfg(test)]
+mod block_size_tests {
+    use super::BlockSize;
+
+    #[test]
+    fn matches_plain_arithmetic() {
+        for size in [1, 2, 3, 16, 24, 32] {
+            let bs = BlockSize::new(size);
+            for len in 0..200 {
+                assert_eq!(bs.index(len), len / size);
+                assert_eq!(bs.offset(len), len % size);
+                assert_eq!(bs.pages(len), len.div_ceil(size));
+            }
+        }
+    }
+}

@@ -1,7 +1,7 @@
 //! `BlockManager`: sequences, prefix reuse, copy-on-write, swapping and plans on top of the
 //! block pool. Exact semantics: `SEMANTICS.md` beside the crate.
 
-use crate::block::BlockState;
+use crate::block::{BlockSize, BlockState};
 use crate::error::{invalid, violated};
 use crate::events::{EventKind, EventLog};
 use crate::plan::Plan;
@@ -82,7 +82,7 @@ impl Config {
 /// sequences may be driven from different threads at once.
 pub struct BlockManager {
     config: Config,
-    block_size: usize,
+    bs: BlockSize,
     watermark_blocks: usize,
     gpu: BlockPool,
     cpu: BlockPool,
@@ -124,7 +124,7 @@ impl BlockManager {
             None
         };
         Ok(BlockManager {
-            block_size: config.block_size as usize,
+            bs: BlockSize::new(config.block_size as usize),
             watermark_blocks: (config.watermark * f64::from(config.num_blocks)) as usize,
             gpu: BlockPool::new(config.num_blocks),
             cpu: BlockPool::new(config.num_cpu_blocks),
@@ -155,12 +155,12 @@ impl BlockManager {
             return Err(invalid("allocate needs at least one token"));
         }
         check_room(0, tokens.len())?;
-        let mut batch = self.seqs.lock(&[seq]);
-        if batch.contains(seq) {
+        let mut one = self.seqs.lock_one(seq);
+        if one.get().is_some() {
             return Err(Error::DuplicateSequence(seq));
         }
-        let bs = self.block_size;
-        let pages = tokens.len().div_ceil(bs);
+        let bs = self.bs;
+        let pages = bs.pages(tokens.len());
         let found = loop {
             let found = self.lookup(tokens, salt);
             let needed = pages - found.hits.len() + found.cached_hits;
@@ -200,13 +200,14 @@ impl BlockManager {
         };
         for i in hit_blocks..pages {
             self.gpu
-                .set_fill(sequence.table[i], fill_of(i, tokens.len(), bs));
+                .set_fill(sequence.table[i], bs.fill(i, tokens.len()));
         }
-        self.register_full(&mut sequence, hit_blocks..tokens.len() / bs);
+        self.register_full(&mut sequence, hit_blocks..bs.index(tokens.len()));
+        let reused = hit_blocks * bs.get();
         Counters::add(&self.counters.prefix_query_tokens, tokens.len() as u64);
-        Counters::add(&self.counters.prefix_hit_tokens, (hit_blocks * bs) as u64);
-        batch.insert(seq, sequence);
-        Ok(hit_blocks * bs)
+        Counters::add(&self.counters.prefix_hit_tokens, reused as u64);
+        one.insert(sequence);
+        Ok(reused)
     }
 
     /// Whether a prompt could be admitted now while keeping the watermark in reserve.
@@ -215,7 +216,7 @@ impl BlockManager {
             return false;
         }
         let found = self.lookup(tokens, salt);
-        let needed = tokens.len().div_ceil(self.block_size) - found.hits.len() + found.cached_hits;
+        let needed = self.bs.pages(tokens.len()) - found.hits.len() + found.cached_hits;
         self.gpu.available() >= needed + self.watermark_blocks
     }
 
@@ -224,8 +225,8 @@ impl BlockManager {
         if tokens.is_empty() {
             return Err(invalid("append needs at least one token"));
         }
-        let mut batch = self.seqs.lock(&[seq]);
-        let s = batch.get(seq).ok_or(Error::UnknownSequence(seq))?;
+        let mut one = self.seqs.lock_one(seq);
+        let s = one.get().ok_or(Error::UnknownSequence(seq))?;
         if s.swapped {
             return Err(Error::SwappedOut(seq));
         }
@@ -255,7 +256,7 @@ impl BlockManager {
             let s = visit(&mut batch, id, stamp, false)?;
             check_room(s.tokens.len(), 1)?;
             needed += self.blocks_to_append(s, 1);
-            max_blocks = max_blocks.max((s.tokens.len() + 1).div_ceil(self.block_size));
+            max_blocks = max_blocks.max(self.bs.pages(s.tokens.len() + 1));
         }
         self.reserve_gpu(needed)?;
         plan.begin(seqs.len(), max_blocks);
@@ -263,7 +264,7 @@ impl BlockManager {
         for (&id, &token) in seqs.iter().zip(tokens) {
             let s = batch.get(id).expect("validated above");
             used += self.append_reserved(s, &[token]);
-            plan.push(&s.table, s.tokens.len(), 1, self.block_size);
+            plan.push(&s.table, s.tokens.len(), 1, self.bs);
         }
         self.gpu.unreserve(needed - used);
         Ok(())
@@ -295,7 +296,7 @@ impl BlockManager {
         plan.begin(seqs.len(), max_blocks);
         for (&id, &q) in seqs.iter().zip(query_lens) {
             let s = batch.get(id).expect("validated above");
-            plan.push(&s.table, s.tokens.len(), q as usize, self.block_size);
+            plan.push(&s.table, s.tokens.len(), q as usize, self.bs);
         }
         Ok(())
     }
@@ -321,8 +322,9 @@ impl BlockManager {
 
     /// Ends a sequence and releases its blocks, last block first.
     pub fn free(&self, seq: SeqId) -> Result<(), Error> {
-        let mut batch = self.seqs.lock(&[seq]);
-        let s = batch.remove(seq).ok_or(Error::UnknownSequence(seq))?;
+        // Hold the shard until the blocks are released, so `check` never sees them orphaned.
+        let mut one = self.seqs.lock_one(seq);
+        let s = one.remove().ok_or(Error::UnknownSequence(seq))?;
         if s.swapped {
             for &block in s.table.iter().rev() {
                 self.cpu.release_block(block);
@@ -352,8 +354,8 @@ impl BlockManager {
 
     /// The sequence's GPU block table.
     pub fn block_table(&self, seq: SeqId) -> Result<Vec<BlockId>, Error> {
-        let mut batch = self.seqs.lock(&[seq]);
-        let s = batch.get(seq).ok_or(Error::UnknownSequence(seq))?;
+        let mut one = self.seqs.lock_one(seq);
+        let s = one.get().ok_or(Error::UnknownSequence(seq))?;
         if s.swapped {
             return Err(Error::SwappedOut(seq));
         }
@@ -362,27 +364,19 @@ impl BlockManager {
 
     /// Number of tokens in the sequence.
     pub fn num_tokens(&self, seq: SeqId) -> Result<usize, Error> {
-        let mut batch = self.seqs.lock(&[seq]);
-        Ok(batch
-            .get(seq)
-            .ok_or(Error::UnknownSequence(seq))?
-            .tokens
-            .len())
+        let mut one = self.seqs.lock_one(seq);
+        Ok(one.get().ok_or(Error::UnknownSequence(seq))?.tokens.len())
     }
 
     /// The sequence's tokens.
     pub fn tokens(&self, seq: SeqId) -> Result<Vec<Token>, Error> {
-        let mut batch = self.seqs.lock(&[seq]);
-        Ok(batch
-            .get(seq)
-            .ok_or(Error::UnknownSequence(seq))?
-            .tokens
-            .clone())
+        let mut one = self.seqs.lock_one(seq);
+        Ok(one.get().ok_or(Error::UnknownSequence(seq))?.tokens.clone())
     }
 
     /// Whether `seq` is live (on the GPU or swapped out).
     pub fn contains(&self, seq: SeqId) -> bool {
-        self.seqs.lock(&[seq]).contains(seq)
+        self.seqs.lock_one(seq).get().is_some()
     }
 
     /// Number of live sequences.
@@ -402,7 +396,7 @@ impl BlockManager {
         let num_cached = self.gpu.num_cached();
         let num_held = num_blocks.saturating_sub(num_free + num_cached);
         let stored_tokens = self.gpu.stored_tokens();
-        let slots = num_held * self.block_size;
+        let slots = num_held * self.bs.get();
         Stats {
             num_blocks,
             num_free,
@@ -448,16 +442,16 @@ impl BlockManager {
         let shards = self.prefix.as_ref().map(|p| p.lock_all());
         let gpu = self.gpu.audit();
         let cpu = self.cpu.audit();
-        let bs = self.block_size;
+        let bs = self.bs;
         let mut gpu_refs = vec![0u32; gpu.states.len()];
         let mut cpu_refs = vec![0u32; cpu.states.len()];
         for (&id, s) in batch.iter() {
             let len = s.tokens.len();
             let err = |msg: String| Error::InvariantViolated(format!("sequence {id}: {msg}"));
-            if s.table.len() != len.div_ceil(bs) {
+            if s.table.len() != bs.pages(len) {
                 return Err(err(format!("{} blocks for {len} tokens", s.table.len())));
             }
-            if self.prefix.is_some() && s.hashes.len() != len / bs {
+            if self.prefix.is_some() && s.hashes.len() != bs.index(len) {
                 return Err(err(format!("{} hashes for {len} tokens", s.hashes.len())));
             }
             for (i, &block) in s.table.iter().enumerate() {
@@ -473,7 +467,7 @@ impl BlockManager {
                 if s.swapped {
                     continue;
                 }
-                if gpu.fill[block as usize] != fill_of(i, len, bs) {
+                if gpu.fill[block as usize] != bs.fill(i, len) {
                     return Err(err(format!(
                         "block {block} fill {}",
                         gpu.fill[block as usize]
@@ -594,16 +588,16 @@ impl BlockManager {
                 cached_hits: 0,
             };
         };
-        let bs = self.block_size;
+        let bs = self.bs;
         let root = prefix.root(salt);
-        let full = tokens.len() / bs;
-        let hittable = (tokens.len() - 1) / bs;
+        let full = bs.index(tokens.len());
+        let hittable = bs.index(tokens.len() - 1);
         let mut hashes = Vec::with_capacity(full);
         let mut hits = Vec::new();
         let mut cached_hits = 0;
         let mut parent = root;
         let mut hitting = true;
-        for (i, block_tokens) in tokens.chunks_exact(bs).enumerate() {
+        for (i, block_tokens) in tokens.chunks_exact(bs.get()).enumerate() {
             let hash = prefix.hash_block(parent, block_tokens);
             hashes.push(hash);
             if hitting && i < hittable {
@@ -648,9 +642,10 @@ impl BlockManager {
         if evicted {
             if let Some(prefix) = &self.prefix {
                 let hash = prefix.hash_of(block);
-                prefix.unregister(block, hash);
-                self.events
-                    .record(|| EventKind::BlockRemoved { block_hash: hash });
+                prefix.unregister(block, hash, || {
+                    self.events
+                        .record(|| EventKind::BlockRemoved { block_hash: hash })
+                });
             }
             Counters::add(&self.counters.evictions, 1);
         }
@@ -668,29 +663,29 @@ impl BlockManager {
     /// block, plus the new blocks.
     fn blocks_to_append(&self, s: &Sequence, count: usize) -> usize {
         let len = s.tokens.len();
-        let bs = self.block_size;
-        let cow = len % bs != 0
-            && self
-                .gpu
-                .state(*s.table.last().expect("non-empty"))
-                .refcount()
-                > 1;
-        usize::from(cow) + (len + count).div_ceil(bs) - len.div_ceil(bs)
+        let bs = self.bs;
+        let last = *s.table.last().expect("a sequence has a block");
+        let cow = bs.offset(len) != 0 && self.gpu.state(last).refcount() > 1;
+        usize::from(cow) + bs.pages(len + count) - s.table.len()
     }
 
     /// Appends with blocks already reserved; returns how many it took.
     fn append_reserved(&self, s: &mut Sequence, tokens: &[Token]) -> usize {
-        let bs = self.block_size;
+        let bs = self.bs;
         let len = s.tokens.len();
         let mut used = 0;
-        if len % bs != 0 {
-            let last = s.table.last_mut().expect("non-empty");
+        let mut stored = tokens.len();
+        let partial = bs.offset(len);
+        if partial != 0 {
+            let last = s.table.last_mut().expect("a sequence has a block");
             let src = *last;
+            // Only forks share a partial block, and forking this sequence needs the lock we hold,
+            // so the refcount read here can only have dropped since `blocks_to_append`.
             if self.gpu.state(src).refcount() > 1 {
                 let dst = self.take_fresh();
                 used += 1;
+                stored += partial;
                 lock(&self.copies).push([src, dst]);
-                self.gpu.set_fill(dst, (len % bs) as u32);
                 *last = dst;
                 let released = self.gpu.release_block(src);
                 debug_assert_eq!(released, Released::Held);
@@ -698,15 +693,16 @@ impl BlockManager {
         }
         s.tokens.extend_from_slice(tokens);
         let new_len = s.tokens.len();
-        let pages = new_len.div_ceil(bs);
+        let pages = bs.pages(new_len);
         while s.table.len() < pages {
             s.table.push(self.take_fresh());
             used += 1;
         }
-        for i in len / bs..pages {
-            self.gpu.set_fill(s.table[i], fill_of(i, new_len, bs));
+        for i in bs.index(len)..pages {
+            self.gpu.store_fill(s.table[i], bs.fill(i, new_len));
         }
-        self.register_full(s, len / bs..new_len / bs);
+        self.gpu.add_stored(stored);
+        self.register_full(s, bs.index(len)..bs.index(new_len));
         used
     }
 
@@ -715,7 +711,7 @@ impl BlockManager {
         let Some(prefix) = &self.prefix else {
             return;
         };
-        let bs = self.block_size;
+        let bs = self.bs.get();
         for i in range {
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
@@ -724,13 +720,14 @@ impl BlockManager {
             }
             let hash = s.hashes[i];
             let block = s.table[i];
-            if prefix.register(block, hash, parent, tokens, || self.gpu.mark_hashed(block)) {
+            prefix.register(block, hash, parent, tokens, || {
+                self.gpu.mark_hashed(block);
                 self.events.record(|| EventKind::BlockStored {
                     block_hash: hash,
                     parent_hash: (i > 0).then_some(parent),
                     token_ids: tokens.to_vec(),
                 });
-            }
+            });
         }
     }
 
@@ -783,7 +780,7 @@ impl BlockManager {
                     to.share_held(target);
                 }
                 if to_gpu {
-                    self.gpu.set_fill(target, fill_of(i, len, self.block_size));
+                    self.gpu.set_fill(target, self.bs.fill(i, len));
                 }
                 *block = target;
             }
@@ -792,17 +789,12 @@ impl BlockManager {
         if to_gpu {
             for &id in seqs {
                 let s = batch.get(id).expect("validated above");
-                let full = s.tokens.len() / self.block_size;
+                let full = self.bs.index(s.tokens.len());
                 self.register_full(s, 0..full);
             }
         }
         Ok(pairs)
     }
-}
-
-/// Tokens in block `i` of a sequence of `len` tokens.
-fn fill_of(i: usize, len: usize, block_size: usize) -> u32 {
-    (len - i * block_size).min(block_size) as u32
 }
 
 /// Fails if a sequence of `len` tokens cannot take `more`.

@@ -1,6 +1,7 @@
 //! The per-step attention plan: FlashInfer's paged-KV CSR plus slot mapping, positions and a
 //! padded block table, built in one pass into buffers reused across steps.
 
+use crate::block::BlockSize;
 use crate::BlockId;
 
 /// Inputs of one attention step for a batch, in batch order. All arrays are int32.
@@ -67,20 +68,20 @@ impl Plan {
         table: &[BlockId],
         kv_len: usize,
         query_len: usize,
-        block_size: usize,
+        bs: BlockSize,
     ) {
         let row = self.batch_size();
-        let pages = kv_len.div_ceil(block_size);
+        let pages = bs.pages(kv_len);
         let table = &table[..pages];
         self.kv_indices.extend(table.iter().map(|&b| b as i32));
         self.kv_indptr.push(self.kv_indices.len() as i32);
         self.kv_last_page_len
-            .push((kv_len - (pages - 1) * block_size) as i32);
-        let start = kv_len - query_len;
-        for p in start..kv_len {
+            .push((kv_len - (pages - 1) * bs.get()) as i32);
+        for p in kv_len - query_len..kv_len {
             self.positions.push(p as i32);
+            let block = table[bs.index(p)] as usize;
             self.slot_mapping
-                .push((table[p / block_size] as usize * block_size + p % block_size) as i32);
+                .push((block * bs.get() + bs.offset(p)) as i32);
         }
         self.qo_indptr.push(self.positions.len() as i32);
         let first = row * self.max_blocks;
@@ -101,8 +102,8 @@ mod tests {
     fn two_sequences_by_hand() {
         let mut plan = Plan::new();
         plan.begin(2, 3);
-        plan.push(&[7, 2, 5], 9, 2, 4); // positions 7, 8 in blocks 2 and 5
-        plan.push(&[1], 3, 3, 4);
+        plan.push(&[7, 2, 5], 9, 2, BlockSize::new(4)); // positions 7, 8 in blocks 2 and 5
+        plan.push(&[1], 3, 3, BlockSize::new(4));
         assert_eq!(plan.kv_indptr, vec![0, 3, 4]);
         assert_eq!(plan.kv_indices, vec![7, 2, 5, 1]);
         assert_eq!(plan.kv_last_page_len, vec![1, 3]);

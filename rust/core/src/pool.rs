@@ -239,6 +239,16 @@ impl BlockPool {
         }
     }
 
+    /// Records the fill of a block only the caller writes to; pair with [`Self::add_stored`].
+    pub(crate) fn store_fill(&self, block: BlockId, tokens: u32) {
+        self.fill[block as usize].store(tokens, Ordering::Relaxed);
+    }
+
+    /// Counts `tokens` newly written into held blocks.
+    pub(crate) fn add_stored(&self, tokens: usize) {
+        self.stored_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
     /// Drops one reference; see [`Released`].
     pub(crate) fn release_block(&self, block: BlockId) -> Released {
         let state = &self.states[block as usize];

@@ -152,19 +152,19 @@ impl PrefixCache {
     }
 
     /// Registers `block` (held by the caller, full) under `hash` unless the hash is already
-    /// mapped. `mark` runs under the shard lock once the contents are written, so a reset (which
-    /// holds every shard) sees the map and the block's flag change together.
+    /// mapped; then `publish` (flag the block, record the event) runs under the shard lock once the
+    /// contents are written, so a reset or an eviction of the same hash is ordered with it.
     pub(crate) fn register(
         &self,
         block: BlockId,
         hash: BlockHash,
         parent: BlockHash,
         tokens: &[Token],
-        mark: impl FnOnce(),
-    ) -> bool {
+        publish: impl FnOnce(),
+    ) {
         let mut shard = lock(self.shard(hash));
         if shard.contains_key(&hash) {
-            return false;
+            return;
         }
         let b = block as usize;
         let (hash_lo, hash_hi) = split(hash);
@@ -178,16 +178,17 @@ impl PrefixCache {
         for (slot, &t) in self.tokens[b * self.block_size..].iter().zip(tokens) {
             slot.store(t, Ordering::Relaxed);
         }
-        mark();
+        publish();
         shard.insert(hash, block);
-        true
     }
 
-    /// Removes `hash` if it still maps to `block` (an evicted block's registration).
-    pub(crate) fn unregister(&self, block: BlockId, hash: BlockHash) {
+    /// Removes `hash` if it still maps to `block` (an evicted block's registration), running
+    /// `removed` under the shard lock if it did.
+    pub(crate) fn unregister(&self, block: BlockId, hash: BlockHash, removed: impl FnOnce()) {
         let mut shard = lock(self.shard(hash));
         if shard.get(&hash) == Some(&block) {
             shard.remove(&hash);
+            removed();
         }
     }
 
@@ -228,15 +229,17 @@ mod tests {
     fn register_verify_unregister() {
         let c = PrefixCache::new([0; 32], 2, 2);
         let h = c.hash_block(5, &[1, 2]);
-        assert!(c.register(1, h, 5, &[1, 2], || {}));
-        assert!(!c.register(0, h, 5, &[1, 2], || {}));
+        c.register(1, h, 5, &[1, 2], || {});
+        c.register(0, h, 5, &[1, 2], || panic!("already mapped"));
         assert_eq!(c.get(h), Some(1));
         assert!(c.matches(1, h, 5, &[1, 2]));
         assert!(!c.matches(1, h, 6, &[1, 2]));
         assert!(!c.matches(1, h, 5, &[1, 3]));
-        c.unregister(0, h);
+        c.unregister(0, h, || panic!("not mapped to 0"));
         assert_eq!(c.get(h), Some(1));
-        c.unregister(1, h);
+        let mut removed = false;
+        c.unregister(1, h, || removed = true);
+        assert!(removed);
         assert_eq!(c.get(h), None);
     }
 }

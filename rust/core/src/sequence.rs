@@ -9,7 +9,7 @@ use crate::prefix::BlockHash;
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, SeqId, Token};
 
-const SHARDS: usize = 64;
+const SHARDS: usize = 32;
 
 /// One sequence: its tokens, its block table and the hashes of its full blocks.
 #[derive(Clone, Debug)]
@@ -42,7 +42,9 @@ impl Hasher for SeqIdHasher {
         }
     }
     fn write_u64(&mut self, n: u64) {
-        self.0 = n.wrapping_mul(MIX);
+        // Not the multiplier that picks the shard: within one shard the top bits of
+        // `n * MIX` are all equal, which would collide every hashbrown tag.
+        self.0 = (n ^ (n >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     }
 }
 
@@ -55,7 +57,7 @@ pub(crate) struct SequenceMap {
 }
 
 fn shard_of(id: SeqId) -> usize {
-    (id.wrapping_mul(MIX).rotate_left(6) as usize) % SHARDS
+    (id.wrapping_mul(MIX) >> 59) as usize
 }
 
 impl SequenceMap {
@@ -74,19 +76,28 @@ impl SequenceMap {
 
     /// Locks the shards holding `ids` (in shard order) for the duration of one operation.
     pub(crate) fn lock(&self, ids: &[SeqId]) -> Batch<'_> {
-        let mut mask = 0u64;
+        let mut mask = 0u32;
         for &id in ids {
             mask |= 1 << shard_of(id);
         }
         self.lock_mask(mask)
     }
 
-    /// Locks every shard, for an audit.
-    pub(crate) fn lock_all(&self) -> Batch<'_> {
-        self.lock_mask(u64::MAX)
+    /// Locks the one shard holding `id`.
+    pub(crate) fn lock_one(&self, id: SeqId) -> One<'_> {
+        One {
+            shard: lock(&self.shards[shard_of(id)]),
+            id,
+            len: &self.len,
+        }
     }
 
-    fn lock_mask(&self, mut mask: u64) -> Batch<'_> {
+    /// Locks every shard, for an audit.
+    pub(crate) fn lock_all(&self) -> Batch<'_> {
+        self.lock_mask(u32::MAX)
+    }
+
+    fn lock_mask(&self, mut mask: u32) -> Batch<'_> {
         let mut guards: [Option<MutexGuard<'_, Shard>>; SHARDS] = std::array::from_fn(|_| None);
         while mask != 0 {
             let shard = mask.trailing_zeros() as usize;
@@ -129,17 +140,37 @@ impl Batch<'_> {
         self.len.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Removes a sequence.
-    pub(crate) fn remove(&mut self, id: SeqId) -> Option<Sequence> {
-        let seq = self.shard(id).remove(&id);
+    /// Every sequence in the locked shards.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&SeqId, &Sequence)> {
+        self.guards.iter().flatten().flat_map(|shard| shard.iter())
+    }
+}
+
+/// The locked shard of a single-sequence operation.
+pub(crate) struct One<'a> {
+    shard: MutexGuard<'a, Shard>,
+    id: SeqId,
+    len: &'a AtomicUsize,
+}
+
+impl One<'_> {
+    /// The sequence, if live.
+    pub(crate) fn get(&mut self) -> Option<&mut Sequence> {
+        self.shard.get_mut(&self.id)
+    }
+
+    /// Adds the sequence.
+    pub(crate) fn insert(&mut self, seq: Sequence) {
+        self.shard.insert(self.id, seq);
+        self.len.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Removes the sequence.
+    pub(crate) fn remove(&mut self) -> Option<Sequence> {
+        let seq = self.shard.remove(&self.id);
         if seq.is_some() {
             self.len.fetch_sub(1, Ordering::Relaxed);
         }
         seq
-    }
-
-    /// Every sequence in the locked shards.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&SeqId, &Sequence)> {
-        self.guards.iter().flatten().flat_map(|shard| shard.iter())
     }
 }

@@ -19,8 +19,9 @@ use pagedkv::{
 use proptest::prelude::*;
 use proptest::sample::Index;
 
-/// Cases when `PROPTEST_CASES` is unset; sized so a release run takes well under two minutes.
-const DEFAULT_CASES: u32 = 1500;
+/// Cases when `PROPTEST_CASES` is unset: about 30 s on two cores in release (the intended way to
+/// run this test), and a smoke run in debug builds, which are some twenty times slower.
+const DEFAULT_CASES: u32 = if cfg!(debug_assertions) { 500 } else { 20_000 };
 /// Sequence ids the operations draw from (a few more than the pools can usually hold).
 const NUM_IDS: u64 = 8;
 /// System prompts that many prompts start with, over the same small alphabet as the suffixes.
@@ -316,7 +317,6 @@ impl Model {
         if len % self.bs != 0 && self.refcount[last as usize] > 1 {
             let dst = self.take();
             self.copies.push([last, dst]);
-            *TALLY.lock().unwrap().entry("cow".into()).or_default() += 1;
             self.release(last);
             *s.table.last_mut().unwrap() = dst;
         }
@@ -741,7 +741,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (batch(4), prop::collection::vec(query_len, 5))
             .prop_map(|(batch, query_lens)| Op::Plan { batch, query_lens }),
         2 => (live_ref(), new_ref()).prop_map(|(parent, child)| Op::Fork { parent, child }),
-        7 => live_ref().prop_map(|seq| Op::Free { seq }),
+        6 => live_ref().prop_map(|seq| Op::Free { seq }),
         2 => batch(2).prop_map(|batch| Op::SwapOut { batch }),
         2 => batch(3).prop_map(|batch| Op::SwapIn { batch }),
         1 => Just(Op::ResetPrefixCache),
@@ -754,7 +754,7 @@ fn config() -> impl Strategy<Value = Config> {
     (
         4u32..=32,
         1u32..=4,
-        prop_oneof![1 => Just(0u32), 3 => 1u32..=8],
+        prop_oneof![1 => Just(0u32), 4 => 2u32..=8],
         prop::bool::weighted(0.85),
         prop_oneof![Just(0.0), Just(0.01), Just(0.1), Just(0.3)],
         prop::option::weighted(0.2, Just([7u8; 32])),
@@ -814,18 +814,10 @@ fn allowed(real: &Error, expected: &[Error]) -> bool {
     })
 }
 
-static CUR: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
-static TALLY: std::sync::Mutex<BTreeMap<String, u64>> = std::sync::Mutex::new(BTreeMap::new());
-fn tally<T, E: std::fmt::Debug>(r: &Result<T, E>) {
-    let k: String = match r { Ok(_) => "ok".to_string(), Err(e) => format!("{:?}", e).chars().take(8).collect() };
-    let k = format!("{} {}", CUR.lock().unwrap(), k);
-    *TALLY.lock().unwrap().entry(k).or_default() += 1;
-}
 fn same<T: PartialEq + std::fmt::Debug>(
     real: Result<T, Error>,
     model: Expect<T>,
 ) -> Result<(), TestCaseError> {
-    tally(&real);
     match (real, model) {
         (Ok(r), Ok(m)) => prop_assert_eq!(r, m),
         (Err(r), Err(m)) => prop_assert!(allowed(&r, &m), "error {:?}, model allows {:?}", r, m),
@@ -924,7 +916,6 @@ impl Harness {
     }
 
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
-        *CUR.lock().unwrap() = format!("{:?}", op).chars().take_while(|c| c.is_alphanumeric()).collect();
         match op {
             Op::Allocate { seq, prompt } => {
                 let seq = self.resolve(seq, false);
@@ -1028,8 +1019,7 @@ impl Harness {
         real: Result<(), Error>,
         model: Expect<Plan>,
     ) -> Result<(), TestCaseError> {
-        tally(&real);
-    match (real, model) {
+        match (real, model) {
             (Ok(()), Ok(m)) => same_plan(&self.plan, &m),
             (Err(r), Err(m)) => {
                 prop_assert!(allowed(&r, &m), "error {:?}, model allows {:?}", r, m);
@@ -1206,12 +1196,6 @@ proptest! {
         for op in &ops {
             h.apply(op)?;
         }
-        let st = h.real.stats();
-        *TALLY.lock().unwrap().entry("evictions".into()).or_default() += st.evictions;
-        *TALLY.lock().unwrap().entry("hit_tokens".into()).or_default() += st.prefix_hit_tokens;
-        *TALLY.lock().unwrap().entry("copies".into()).or_default() += h.model.copies.len() as u64;
-        *TALLY.lock().unwrap().entry("ops".into()).or_default() += ops.len() as u64;
         h.finish()?;
-        eprintln!("{:?}", TALLY.lock().unwrap());
     }
 }

@@ -6,7 +6,7 @@
 //! several live sequences must hold the same tokens for all of them (a lost race between a prefix
 //! hit reviving a cached block and an eviction reusing it would break exactly this).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Barrier;
 use std::thread;
@@ -294,9 +294,9 @@ fn worker(mgr: &BlockManager, thread_id: u64, ops: usize, tally: &Tally) -> Vec<
 fn four_threads_share_one_manager() {
     const THREADS: u64 = 4;
     let ops = if cfg!(debug_assertions) {
-        3_000
-    } else {
         20_000
+    } else {
+        400_000
     };
     let mut cfg = Config::new(96, 4);
     cfg.num_cpu_blocks = 48;
@@ -358,67 +358,106 @@ fn four_threads_share_one_manager() {
     assert_eq!((st.num_held, st.stored_tokens), (0, 0));
     assert!(mgr.is_empty());
 
-    // Events from all threads form one gapless series; what was stored and not removed is
-    // exactly what is cached now (nothing is held, and the cache was never reset).
+    // Events from all threads form one gapless series from 0, and replaying it gives a
+    // consistent cache: a hash is stored only while absent and removed only while present, and
+    // what remains is exactly what is cached now (nothing is held; the cache was never reset).
     let events = mgr.take_events();
-    for w in events.windows(2) {
-        assert_eq!(w[1].seq_no, w[0].seq_no + 1);
+    let mut cached: HashSet<u128> = HashSet::new();
+    let mut removed = 0u64;
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.seq_no, i as u64, "event sequence numbers");
+        match &e.kind {
+            EventKind::BlockStored { block_hash, .. } => {
+                assert!(cached.insert(*block_hash), "event {i}: stored twice");
+            }
+            EventKind::BlockRemoved { block_hash } => {
+                assert!(cached.remove(block_hash), "event {i}: removed while absent");
+                removed += 1;
+            }
+            EventKind::AllBlocksCleared => panic!("event {i}: nobody reset the cache"),
+        }
     }
-    let stored = events
-        .iter()
-        .filter(|e| matches!(e.kind, EventKind::BlockStored { .. }))
-        .count();
-    let removed = events
-        .iter()
-        .filter(|e| matches!(e.kind, EventKind::BlockRemoved { .. }))
-        .count();
-    assert_eq!(stored - removed, st.num_cached);
-    assert_eq!(removed as u64, st.evictions);
+    assert_eq!(cached.len(), st.num_cached);
+    assert_eq!(removed, st.evictions);
 }
 
-/// Many threads hit one cached prefix while others force its blocks out: each hit must either
-/// revive the cached block or miss, never share a block that an eviction handed elsewhere.
+/// Threads hit one cached prefix while others force its blocks out: each hit must either revive
+/// the cached block or miss, never share a block that an eviction handed to someone else.
+///
+/// Every round starts from the same arrangement: the prefix's blocks are the whole cached queue
+/// (so they are the next victims) and a held filler leaves only a few FREE blocks. Then two
+/// sharers (prefix + own token) and two evictors (one-block prompts that are never cached) start
+/// together. A sharer frees its sequence before admitting the next, so the prefix keeps dropping
+/// back to CACHED; evictors hold up to eight sequences each (together more than the FREE blocks,
+/// so they take the queue head), then free them all at once.
 #[test]
 fn prefix_revival_races_eviction() {
     const BS: usize = 4;
     const PREFIX_BLOCKS: usize = 8;
-    let rounds = if cfg!(debug_assertions) { 60 } else { 400 };
-    let mut cfg = Config::new(40, BS as u32);
+    const NUM_BLOCKS: usize = 40;
+    const SPARE_FREE: usize = 10;
+    const ATTEMPTS: usize = 24;
+    let rounds = if cfg!(debug_assertions) { 300 } else { 3_000 };
+    let mut cfg = Config::new(NUM_BLOCKS as u32, BS as u32);
     cfg.watermark = 0.0;
-    let mgr = BlockManager::new(cfg).unwrap();
+    let mgr = &BlockManager::new(cfg).unwrap();
     let prefix: Vec<Token> = (0..(PREFIX_BLOCKS * BS) as Token).collect();
     let next_id = AtomicU64::new(1);
-    let hits = AtomicU64::new(0);
+    let full_hits = AtomicU64::new(0);
+    let partial_hits = AtomicU64::new(0);
+
+    // Allocates `tokens` as a new sequence kept in `mine`, first freeing the oldest one when
+    // `mine` already holds `keep`. Returns the reused token count, `None` on `OutOfBlocks`.
+    let admit = |tokens: &[Token], mine: &mut Vec<SeqId>, keep: usize| -> Option<usize> {
+        if mine.len() >= keep {
+            mgr.free(mine.remove(0)).unwrap();
+        }
+        let id = next_id.fetch_add(1, Ordering::Relaxed);
+        match mgr.allocate(id, tokens, None) {
+            Ok(reused) => {
+                mine.push(id);
+                Some(reused)
+            }
+            Err(Error::OutOfBlocks { .. }) => None,
+            Err(e) => panic!("allocate: {e}"),
+        }
+    };
 
     for round in 0..rounds {
-        // Leave the prefix's blocks CACHED: allocate it once and free it.
+        mgr.reset_prefix_cache();
         let warm = next_id.fetch_add(1, Ordering::Relaxed);
         let mut tokens = prefix.clone();
-        tokens.push(1_000_000 + round as Token);
+        tokens.push(1_000_000);
         mgr.allocate(warm, &tokens, None).unwrap();
         mgr.free(warm).unwrap();
+        let filler = next_id.fetch_add(1, Ordering::Relaxed);
+        let filler_blocks = NUM_BLOCKS - PREFIX_BLOCKS - SPARE_FREE;
+        let filler_tokens: Vec<Token> = (0..(filler_blocks * BS) as Token)
+            .map(|i| 5_000_000 + i)
+            .collect();
+        mgr.allocate(filler, &filler_tokens, None).unwrap();
+        let st = mgr.stats();
+        assert_eq!((st.num_cached, st.num_free), (PREFIX_BLOCKS, SPARE_FREE));
 
-        let barrier = Barrier::new(4);
-        let live: Vec<SeqId> = thread::scope(|scope| {
+        let barrier = &Barrier::new(4);
+        let (admit, prefix, full_hits, partial_hits) = (&admit, &prefix, &full_hits, &partial_hits);
+        let mut live: Vec<SeqId> = thread::scope(|scope| {
             let sharers: Vec<_> = (0..2)
                 .map(|_| {
-                    scope.spawn(|| {
+                    scope.spawn(move || {
                         barrier.wait();
                         let mut mine = Vec::new();
-                        for _ in 0..3 {
-                            let id = next_id.fetch_add(1, Ordering::Relaxed);
+                        for _ in 0..ATTEMPTS {
                             let mut t = prefix.clone();
-                            t.push(2_000_000 + id as Token);
-                            match mgr.allocate(id, &t, None) {
-                                Ok(reused) => {
-                                    assert!(reused <= prefix.len() && reused % BS == 0);
-                                    if reused > 0 {
-                                        hits.fetch_add(1, Ordering::Relaxed);
-                                    }
-                                    mine.push(id);
-                                }
-                                Err(Error::OutOfBlocks { .. }) => {}
-                                Err(e) => panic!("allocate: {e}"),
+                            t.push(2_000_000 + round as Token);
+                            if let Some(reused) = admit(&t, &mut mine, 1) {
+                                assert!(reused <= prefix.len() && reused % BS == 0);
+                                let tally = if reused == prefix.len() {
+                                    full_hits
+                                } else {
+                                    partial_hits
+                                };
+                                tally.fetch_add(1, Ordering::Relaxed);
                             }
                         }
                         mine
@@ -426,22 +465,19 @@ fn prefix_revival_races_eviction() {
                 })
                 .collect();
             let evictors: Vec<_> = (0..2)
-                .map(|_| {
-                    scope.spawn(|| {
+                .map(|e| {
+                    scope.spawn(move || {
                         barrier.wait();
-                        let mut mine: Vec<SeqId> = Vec::new();
-                        for _ in 0..4 {
-                            let id = next_id.fetch_add(1, Ordering::Relaxed);
-                            let t: Vec<Token> = (0..10 * BS as Token)
-                                .map(|i| 3_000_000 + id as Token * 64 + i)
-                                .collect();
-                            match mgr.allocate(id, &t, None) {
-                                Ok(_) => mine.push(id),
-                                Err(Error::OutOfBlocks { .. }) => {}
-                                Err(e) => panic!("allocate: {e}"),
+                        let mut mine = Vec::new();
+                        for i in 0..ATTEMPTS {
+                            // Pressure in waves: hold up to eight, then let all go at once.
+                            if mine.len() == 8 {
+                                mine.drain(..).for_each(|s| mgr.free(s).unwrap());
                             }
-                            if mine.len() > 1 {
-                                mgr.free(mine.remove(0)).unwrap();
+                            // A partial block: never cached, so the cache holds only the prefix.
+                            let t = [3_000_000 + (e * ATTEMPTS + i) as Token; BS - 1];
+                            if let Some(reused) = admit(&t, &mut mine, usize::MAX) {
+                                assert_eq!(reused, 0);
                             }
                         }
                         mine
@@ -454,18 +490,25 @@ fn prefix_revival_races_eviction() {
                 .flat_map(|h| h.join().unwrap())
                 .collect()
         });
+        live.push(filler);
 
-        assert_accounted(&mgr);
-        verify_shared_contents(&mgr, &live);
+        assert_accounted(mgr);
+        verify_shared_contents(mgr, &live);
         for &s in &live {
             mgr.free(s).unwrap();
         }
-        assert_accounted(&mgr);
+        assert_accounted(mgr);
         assert_eq!(mgr.stats().num_held, 0, "round {round}");
     }
-    assert!(
-        hits.load(Ordering::Relaxed) > 0,
-        "the prefix was never reused"
+    let (full, partial) = (
+        full_hits.load(Ordering::Relaxed),
+        partial_hits.load(Ordering::Relaxed),
     );
-    assert!(mgr.stats().evictions > 0, "nothing was ever evicted");
+    // Only the prefix is ever cached, so every eviction took one of its blocks.
+    let evictions = mgr.stats().evictions;
+    eprintln!(
+        "revival race: {full} full hits, {partial} partial or no hits, {evictions} evictions"
+    );
+    assert!(full > 0, "the prefix was never reused whole");
+    assert!(evictions > 0, "the prefix was never evicted");
 }

@@ -36,8 +36,18 @@ fn to_py(err: core::Error) -> PyErr {
     }
 }
 
-/// Reads a 1-D integer array or sequence as `i128` values, naming `what` in errors.
-fn integers(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i128>> {
+/// Reads a 1-D integer array or sequence into `T`, naming `what` and the bad value in errors.
+/// numpy arrays of any integer dtype are read in place, without a Python object per element.
+fn integers<T>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<T>>
+where
+    T: TryFrom<i64> + TryFrom<u64> + Copy + Into<u64>,
+{
+    let out_of_range = |v: &dyn std::fmt::Display| {
+        let max: u64 = T::try_from(u64::MAX)
+            .map(Into::into)
+            .unwrap_or_else(|_| u64::from(u32::MAX));
+        PyValueError::new_err(format!("{what} must be in [0, {max}], got {v}"))
+    };
     if let Ok(array) = obj.downcast::<PyUntypedArray>() {
         if array.ndim() != 1 {
             return Err(PyValueError::new_err(format!(
@@ -46,14 +56,19 @@ fn integers(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i128>> {
             )));
         }
         macro_rules! read_as {
-            ($($t:ty),*) => {$(
+            ($wide:ty; $($t:ty),*) => {$(
                 if array.dtype().is_equiv_to(&numpy::dtype::<$t>(obj.py())) {
                     let typed = array.downcast::<PyArray1<$t>>()?.readonly();
-                    return Ok(typed.as_array().iter().map(|&v| v as i128).collect());
+                    return typed
+                        .as_array()
+                        .iter()
+                        .map(|&v| T::try_from(v as $wide).map_err(|_| out_of_range(&v)))
+                        .collect();
                 }
             )*};
         }
-        read_as!(i64, i32, u32, u64, i16, u16, i8, u8);
+        read_as!(i64; i64, i32, i16, i8);
+        read_as!(u64; u64, u32, u16, u8);
         return Err(PyValueError::new_err(format!(
             "{what} must be an integer array, got dtype {}",
             array.dtype()
@@ -64,29 +79,28 @@ fn integers(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i128>> {
             "{what} must be a sequence of ints, not a string"
         )));
     }
-    obj.extract::<Vec<i128>>().map_err(|_| {
-        PyValueError::new_err(format!("{what} must be a 1-D integer array or a sequence of ints"))
-    })
-}
-
-/// Converts to `T`, naming the value and the allowed range on failure.
-fn in_range<T: TryFrom<i128>>(values: Vec<i128>, what: &str, max: i128) -> PyResult<Vec<T>> {
+    let values: Vec<i128> = obj.extract().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a 1-D integer array or a sequence of ints"
+        ))
+    })?;
     values
         .into_iter()
         .map(|v| {
-            T::try_from(v).ok().filter(|_| v <= max).ok_or_else(|| {
-                PyValueError::new_err(format!("{what} must be in [0, {max}], got {v}"))
-            })
+            u64::try_from(v)
+                .ok()
+                .and_then(|u| T::try_from(u).ok())
+                .ok_or_else(|| out_of_range(&v))
         })
         .collect()
 }
 
 fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    in_range(integers(obj, "token_ids")?, "token ids", u32::MAX.into())
+    integers(obj, "token ids")
 }
 
 fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    in_range(integers(obj, "seq_ids")?, "sequence ids", u64::MAX.into())
+    integers(obj, "sequence ids")
 }
 
 fn seq_id(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -138,8 +152,9 @@ impl BlockManager {
         enable_events: bool,
     ) -> PyResult<Self> {
         let count = |name: &str, v: i64| {
-            u32::try_from(v)
-                .map_err(|_| PyValueError::new_err(format!("{name} must be in [0, 2**32), got {v}")))
+            u32::try_from(v).map_err(|_| {
+                PyValueError::new_err(format!("{name} must be in [0, 2**32), got {v}"))
+            })
         };
         let hash_key = hash_key
             .map(|k| {
@@ -187,7 +202,11 @@ impl BlockManager {
         token_ids: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (id, tokens, salt) = (self::seq_id(seq_id)?, self::token_ids(token_ids)?, salt_bytes(salt)?);
+        let (id, tokens, salt) = (
+            self::seq_id(seq_id)?,
+            self::token_ids(token_ids)?,
+            salt_bytes(salt)?,
+        );
         py.detach(|| self.inner.allocate(id, &tokens, salt.as_deref()))
             .map_err(to_py)
     }
@@ -228,7 +247,7 @@ impl BlockManager {
         query_lens: &Bound<'_, PyAny>,
     ) -> PyResult<Plan> {
         let ids = self::seq_ids(seq_ids)?;
-        let lens: Vec<u32> = in_range(integers(query_lens, "query_lens")?, "query lengths", u32::MAX.into())?;
+        let lens: Vec<u32> = integers(query_lens, "query lengths")?;
         let mut plan = core::Plan::new();
         py.detach(|| self.inner.plan(&ids, &lens, &mut plan))
             .map_err(to_py)?;
@@ -249,28 +268,51 @@ impl BlockManager {
         pairs(py, self.inner.take_copies())
     }
 
-    fn swap_out<'py>(&self, py: Python<'py>, seq_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    fn swap_out<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = self::seq_ids(seq_ids)?;
         let moved = py.detach(|| self.inner.swap_out(&ids)).map_err(to_py)?;
         Ok(pairs(py, moved))
     }
 
-    fn swap_in<'py>(&self, py: Python<'py>, seq_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    fn swap_in<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = self::seq_ids(seq_ids)?;
         let moved = py.detach(|| self.inner.swap_in(&ids)).map_err(to_py)?;
         Ok(pairs(py, moved))
     }
 
-    fn block_table<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let table = self.inner.block_table(self::seq_id(seq_id)?).map_err(to_py)?;
-        Ok(table.into_iter().map(|b| b as i32).collect::<Vec<_>>().into_pyarray(py))
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let table = self
+            .inner
+            .block_table(self::seq_id(seq_id)?)
+            .map_err(to_py)?;
+        Ok(table
+            .into_iter()
+            .map(|b| b as i32)
+            .collect::<Vec<_>>()
+            .into_pyarray(py))
     }
 
     fn num_tokens(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         self.inner.num_tokens(self::seq_id(seq_id)?).map_err(to_py)
     }
 
-    fn token_ids<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    fn token_ids<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         let tokens = self.inner.tokens(self::seq_id(seq_id)?).map_err(to_py)?;
         Ok(tokens.into_pyarray(py))
     }
@@ -280,7 +322,11 @@ impl BlockManager {
     }
 
     fn take_events(&self) -> Vec<Event> {
-        self.inner.take_events().into_iter().map(Event::from).collect()
+        self.inner
+            .take_events()
+            .into_iter()
+            .map(Event::from)
+            .collect()
     }
 
     fn reset_prefix_cache(&self) {

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every check of the project on a fresh machine: installs what the tests need (the `test` extra),
+# then Rust (fmt, clippy, unit + doc + property + stress tests, loom model checks), Python
+# (ruff, mypy --strict, stub test against the compiled module, pytest) and a benchmark smoke run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# One target folder per machine, so a fresh clone reuses already compiled dependencies.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/pagedkv/target}"
+export CARGO_TERM_COLOR=never
+# numpy's BLAS threads would only compete with the tests for the two cores.
+export OPENBLAS_NUM_THREADS=1
+# Property-test and loom budgets: enough to matter, bounded so CI stays well under 30 minutes.
+export PROPTEST_CASES="${PROPTEST_CASES:-2000}"
+export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}"
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "install (editable, with the test extra)"
+python3 -m pip install --quiet --disable-pip-version-check -e ".[test]"
+
+step "rust: fmt, clippy"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+step "rust: unit, doc, property and stress tests"
+cargo test -p pagedkv --release
+
+step "rust: loom model checks"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/loom" \
+    cargo test -p pagedkv --release --lib loom
+
+step "python: ruff, mypy --strict, stubtest"
+python3 -m ruff check python tests benches examples
+python3 -m ruff format --check python tests benches examples
+python3 -m mypy
+python3 -m mypy.stubtest pagedkv._core
+
+step "python: pytest"
+python3 -m pytest -q
+
+step "benchmark smoke run"
+python3 benches/bench_step.py --quick
