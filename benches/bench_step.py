@@ -28,8 +28,9 @@ import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from pagedkv import BlockManager, OutOfBlocks
 from reference_manager import ReferenceBlockManager
+
+from pagedkv import BlockManager, OutOfBlocks
 
 VOCAB = 32_000
 TARGET_NS_PER_TOKEN = 40.0

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
+
 from pagedkv.attention import PagedAttention
 from pagedkv.kv_cache import KVCache
 

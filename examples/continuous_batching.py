@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from pagedkv import BlockManager, OutOfBlocks, Plan
 from pagedkv.attention import BackendName, PagedAttention
 from pagedkv.kv_cache import KVCache
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 @dataclass(frozen=True)

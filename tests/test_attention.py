@@ -18,6 +18,7 @@ import numpy.typing as npt
 import pytest
 import torch
 import torch.nn.functional as F
+
 from pagedkv.attention import PagedAttention
 from pagedkv.kv_cache import KVCache
 

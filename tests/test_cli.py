@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pagedkv.cli import main, parse_size
 from pagedkv.simulate.progress import ProgressBar
 

@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+
 from pagedkv.kv_cache import KVCache
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from pagedkv import BlockManager, OutOfBlocks
 
 KEY = bytes(range(32))

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+
 from pagedkv.simulate import (
     GPUS,
     MODELS,

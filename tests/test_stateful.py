@@ -16,8 +16,9 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from pagedkv import BlockManager, OutOfBlocks
 from reference_manager import ReferenceBlockManager
+
+from pagedkv import BlockManager, OutOfBlocks
 
 KEY = bytes(range(32))
 MAX_ID = 12

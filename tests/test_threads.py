@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 import numpy as np
+
 from pagedkv import BlockManager, OutOfBlocks
 
 NUM_THREADS = 4

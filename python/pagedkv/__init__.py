@@ -2,10 +2,30 @@
 
 The KV cache is cut into fixed-size blocks stored anywhere in a pool; each sequence's block
 table maps its logical positions to physical blocks (PagedAttention). `BlockManager` is the
-lock-free Rust allocator; `KVCache` and `PagedAttention` turn its plans into attention.
+lock-free Rust allocator; `KVCache` and `PagedAttention` (which need torch, loaded on first use)
+turn its plans into attention.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from pagedkv._core import BlockManager, Event, OutOfBlocks, Plan, Stats
 
-__all__ = ["BlockManager", "Event", "OutOfBlocks", "Plan", "Stats"]
+if TYPE_CHECKING:
+    from pagedkv.attention import PagedAttention
+    from pagedkv.kv_cache import KVCache
+
+__all__ = ["BlockManager", "Event", "KVCache", "OutOfBlocks", "PagedAttention", "Plan", "Stats"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the torch-based parts on first use, so the allocator alone needs no torch."""
+    if name == "KVCache":
+        from pagedkv.kv_cache import KVCache
+
+        return KVCache
+    if name == "PagedAttention":
+        from pagedkv.attention import PagedAttention
+
+        return PagedAttention
+    raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")

@@ -6,7 +6,7 @@ use crate::error::{invalid, violated};
 use crate::events::{EventKind, EventLog};
 use crate::plan::Plan;
 use crate::pool::{BlockPool, Hit, Released};
-use crate::prefix::{BlockHash, PrefixCache};
+use crate::prefix::{short, BlockHash, Chain, PrefixCache};
 use crate::sequence::{Batch, Sequence, SequenceMap};
 use crate::stats::{Counters, Stats};
 use crate::sync::{lock, AtomicU64, Mutex, Ordering};
@@ -96,8 +96,8 @@ pub struct BlockManager {
 
 /// The outcome of a prefix lookup: every full block's hash and the verified hits.
 struct Lookup {
-    root: BlockHash,
-    hashes: Vec<BlockHash>,
+    root: Chain,
+    hashes: Vec<Chain>,
     hits: Vec<(BlockId, BlockState)>,
     cached_hits: usize,
 }
@@ -474,7 +474,9 @@ impl BlockManager {
                     )));
                 }
                 if let Some(prefix) = &self.prefix {
-                    if gpu.states[block as usize].hashed() && prefix.hash_of(block) != s.hashes[i] {
+                    if gpu.states[block as usize].hashed()
+                        && prefix.hash_of(block) != short(&s.hashes[i])
+                    {
                         return Err(err(format!("block {block} registered under another hash")));
                     }
                 }
@@ -582,7 +584,7 @@ impl BlockManager {
     fn lookup(&self, tokens: &[Token], salt: Option<&[u8]>) -> Lookup {
         let Some(prefix) = &self.prefix else {
             return Lookup {
-                root: 0,
+                root: [0; 32],
                 hashes: Vec::new(),
                 hits: Vec::new(),
                 cached_hits: 0,
@@ -598,10 +600,9 @@ impl BlockManager {
         let mut parent = root;
         let mut hitting = true;
         for (i, block_tokens) in tokens.chunks_exact(bs.get()).enumerate() {
-            let hash = prefix.hash_block(parent, block_tokens);
-            hashes.push(hash);
+            let chain = prefix.hash_block(&parent, block_tokens);
             if hitting && i < hittable {
-                match self.find(prefix, hash, parent, block_tokens) {
+                match self.find(prefix, short(&chain), short(&parent), block_tokens) {
                     Some((block, state)) => {
                         cached_hits += usize::from(state.refcount() == 0);
                         hits.push((block, state));
@@ -609,7 +610,8 @@ impl BlockManager {
                     None => hitting = false,
                 }
             }
-            parent = hash;
+            hashes.push(chain);
+            parent = chain;
         }
         Lookup {
             root,
@@ -716,9 +718,9 @@ impl BlockManager {
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
             if i == s.hashes.len() {
-                s.hashes.push(prefix.hash_block(parent, tokens));
+                s.hashes.push(prefix.hash_block(&parent, tokens));
             }
-            let hash = s.hashes[i];
+            let (hash, parent) = (short(&s.hashes[i]), short(&parent));
             let block = s.table[i];
             prefix.register(block, hash, parent, tokens, || {
                 self.gpu.mark_hashed(block);

@@ -1,6 +1,12 @@
 //! The prefix cache: chained keyed hashes of full blocks and the map from hash to the physical
 //! block holding that content, with each registered block's parent hash and tokens kept so a
 //! hit can be verified (a forged hash collision is a miss, never another sequence's KV).
+//!
+//! The chain: `c_root = BLAKE3_keyed(key, "pagedkv/root" || salt)`, then block `i`'s chaining
+//! value `c_i = BLAKE3_keyed(c_{i-1}, tokens_i)`: each link is keyed by the previous 256-bit
+//! value, so the whole prefix and the salt are bound in, and a 16-token block is one BLAKE3
+//! compression (parent and tokens in one message would take two). A block's hash is the first
+//! 128 bits of its chaining value.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -8,8 +14,17 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::sync::{lock, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, Token};
 
-/// A 128-bit block hash.
+/// A 128-bit block hash: the first half of the block's chaining value.
 pub type BlockHash = u128;
+
+/// The full 256-bit chaining value of a prefix (keys the next block's hash).
+pub(crate) type Chain = [u8; 32];
+
+/// The block hash of a chaining value.
+pub(crate) fn short(chain: &Chain) -> BlockHash {
+    let bytes: [u8; 16] = chain[..16].try_into().expect("16 bytes");
+    u128::from_le_bytes(bytes)
+}
 
 const SHARDS: usize = 64;
 
@@ -55,11 +70,6 @@ fn join(lo: u64, hi: u64) -> BlockHash {
     u128::from(lo) | (u128::from(hi) << 64)
 }
 
-fn cut(hash: blake3::Hash) -> BlockHash {
-    let bytes: [u8; 16] = hash.as_bytes()[..16].try_into().expect("16 bytes");
-    u128::from_le_bytes(bytes)
-}
-
 impl PrefixCache {
     /// An empty cache for `num_blocks` blocks of `block_size` tokens.
     pub(crate) fn new(key: [u8; 32], num_blocks: u32, block_size: u32) -> PrefixCache {
@@ -75,8 +85,8 @@ impl PrefixCache {
         }
     }
 
-    /// The parent hash of a sequence's first block: binds the tenant salt into the chain.
-    pub(crate) fn root(&self, salt: Option<&[u8]>) -> BlockHash {
+    /// The chaining value before a sequence's first block: binds the key and the tenant salt.
+    pub(crate) fn root(&self, salt: Option<&[u8]>) -> Chain {
         let mut hasher = blake3::Hasher::new_keyed(&self.key);
         hasher.update(b"pagedkv/root");
         match salt {
@@ -86,30 +96,28 @@ impl PrefixCache {
                 .update(&(salt.len() as u64).to_le_bytes())
                 .update(salt),
         };
-        cut(hasher.finalize())
+        *hasher.finalize().as_bytes()
     }
 
-    /// `H(key, parent, tokens)` for one full block.
-    pub(crate) fn hash_block(&self, parent: BlockHash, tokens: &[Token]) -> BlockHash {
+    /// The chaining value of one full block after `parent`.
+    pub(crate) fn hash_block(&self, parent: &Chain, tokens: &[Token]) -> Chain {
         const CHUNK: usize = 64;
-        let mut buf = [0u8; 16 + 4 * CHUNK];
-        buf[..16].copy_from_slice(&parent.to_le_bytes());
+        let mut buf = [0u8; 4 * CHUNK];
         if tokens.len() <= CHUNK {
-            let len = 16 + 4 * tokens.len();
-            for (dst, t) in buf[16..len].chunks_exact_mut(4).zip(tokens) {
+            let len = 4 * tokens.len();
+            for (dst, t) in buf[..len].chunks_exact_mut(4).zip(tokens) {
                 dst.copy_from_slice(&t.to_le_bytes());
             }
-            return cut(blake3::keyed_hash(&self.key, &buf[..len]));
+            return *blake3::keyed_hash(parent, &buf[..len]).as_bytes();
         }
-        let mut hasher = blake3::Hasher::new_keyed(&self.key);
-        hasher.update(&buf[..16]);
+        let mut hasher = blake3::Hasher::new_keyed(parent);
         for chunk in tokens.chunks(CHUNK) {
             for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
                 dst.copy_from_slice(&t.to_le_bytes());
             }
             hasher.update(&buf[..4 * chunk.len()]);
         }
-        cut(hasher.finalize())
+        *hasher.finalize().as_bytes()
     }
 
     fn shard(&self, hash: BlockHash) -> &Mutex<Shard> {
@@ -209,11 +217,11 @@ mod tests {
         let root = a.root(None);
         assert_ne!(root, a.root(Some(b"tenant")));
         assert_ne!(a.root(Some(b"")), root);
-        let h = a.hash_block(root, &[1, 2, 3, 4]);
-        assert_eq!(h, a.hash_block(root, &[1, 2, 3, 4]));
-        assert_ne!(h, a.hash_block(root, &[1, 2, 3, 5]));
-        assert_ne!(h, a.hash_block(h, &[1, 2, 3, 4]));
-        assert_ne!(h, b.hash_block(b.root(None), &[1, 2, 3, 4]));
+        let h = a.hash_block(&root, &[1, 2, 3, 4]);
+        assert_eq!(h, a.hash_block(&root, &[1, 2, 3, 4]));
+        assert_ne!(h, a.hash_block(&root, &[1, 2, 3, 5]));
+        assert_ne!(h, a.hash_block(&h, &[1, 2, 3, 4]));
+        assert_ne!(h, b.hash_block(&b.root(None), &[1, 2, 3, 4]));
     }
 
     #[test]
@@ -222,13 +230,14 @@ mod tests {
         let tokens: Vec<u32> = (0..200).collect();
         let mut other = tokens.clone();
         other[199] = 7;
-        assert_ne!(c.hash_block(0, &tokens), c.hash_block(0, &other));
+        let root = c.root(None);
+        assert_ne!(c.hash_block(&root, &tokens), c.hash_block(&root, &other));
     }
 
     #[test]
     fn register_verify_unregister() {
         let c = PrefixCache::new([0; 32], 2, 2);
-        let h = c.hash_block(5, &[1, 2]);
+        let h = short(&c.hash_block(&c.root(None), &[1, 2]));
         c.register(1, h, 5, &[1, 2], || {});
         c.register(0, h, 5, &[1, 2], || panic!("already mapped"));
         assert_eq!(c.get(h), Some(1));

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::prefix::BlockHash;
+use crate::prefix::Chain;
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, SeqId, Token};
 
@@ -17,10 +17,10 @@ pub(crate) struct Sequence {
     pub(crate) tokens: Vec<Token>,
     /// GPU block ids, or CPU block ids while `swapped`.
     pub(crate) table: Vec<BlockId>,
-    /// `hashes[i]` is the chained hash of full block `i` (empty without prefix caching).
-    pub(crate) hashes: Vec<BlockHash>,
-    /// Parent hash of block 0 (binds the salt).
-    pub(crate) root: BlockHash,
+    /// `hashes[i]` is the chaining value of full block `i` (empty without prefix caching).
+    pub(crate) hashes: Vec<Chain>,
+    /// Chaining value before block 0 (binds the key and the salt).
+    pub(crate) root: Chain,
     pub(crate) swapped: bool,
     /// The last batch that visited this sequence; detects repeats within one batch.
     pub(crate) stamp: u64,

@@ -43,7 +43,7 @@ struct Owned {
 }
 
 /// Tallies across threads, to show the run exercised what it claims to.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Tally {
     out_of_blocks: AtomicU64,
     allocated: AtomicU64,
@@ -341,6 +341,7 @@ fn four_threads_share_one_manager() {
     verify_shared_contents(&mgr, &ids);
 
     let st = mgr.stats();
+    eprintln!("four threads: {tally:?}, {st:?}");
     assert!(st.evictions > 0, "the pool never had to evict");
     assert!(st.prefix_hit_tokens > 0, "no prefix was ever reused");
     assert!(
