@@ -22,7 +22,8 @@ fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
     elapsed
 }
 
-/// Mean nanoseconds per iteration of `name` over all its runs (warm-up included).
+/// Nanoseconds per iteration of `name` over all criterion's runs of it (most of the time is in
+/// the measured runs, which are the longest).
 fn mean_ns(name: &str) -> Option<f64> {
     let runs = RUNS.lock().unwrap();
     let (t, n) = runs

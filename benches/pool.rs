@@ -52,6 +52,9 @@ fn pairs<P: Pool>(pool: &P, n: u64) {
 }
 
 /// Wall time for `threads` threads, started together, to do `iters` pairs each.
+///
+/// On a machine with few, busy cores the threads may share one core, which hides the cost of
+/// cache-line transfers: expect these figures to vary a lot from run to run there.
 fn concurrent<P: Pool>(pool: &P, threads: usize, iters: u64) -> Duration {
     let barrier = Barrier::new(threads + 1);
     thread::scope(|scope| {
@@ -80,7 +83,8 @@ fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
     elapsed
 }
 
-/// Mean nanoseconds per iteration of `name` over all its runs (warm-up included).
+/// Nanoseconds per iteration of `name` over all criterion's runs of it (most of the time is in
+/// the measured runs, which are the longest).
 fn mean_ns(name: &str) -> Option<f64> {
     let runs = RUNS.lock().unwrap();
     let (t, n) = runs

@@ -168,7 +168,7 @@ impl BlockManager {
             let mut table = Vec::with_capacity(pages);
             let mut used = 0;
             for &(block, seen) in &found.hits {
-                match self.gpu.acquire_hit(block, seen) {
+                match self.gpu.acquire_hit(block, seen, bs.get() as u32) {
                     Some(Hit::Shared) => {}
                     Some(Hit::Revived) => used += 1,
                     None => break,
@@ -177,7 +177,7 @@ impl BlockManager {
             }
             if table.len() < found.hits.len() {
                 // Another thread changed a matched block between lookup and acquire: undo, retry.
-                self.release_gpu_blocks(&table);
+                self.release_gpu_blocks(&table, table.len() * bs.get());
                 self.gpu.unreserve(needed - used);
                 continue;
             }
@@ -196,14 +196,12 @@ impl BlockManager {
             hashes: found.hashes,
             root: found.root,
             swapped: false,
+            shared_tail: false,
             stamp: 0,
         };
-        for i in hit_blocks..pages {
-            self.gpu
-                .set_fill(sequence.table[i], bs.fill(i, tokens.len()));
-        }
-        self.register_full(&mut sequence, hit_blocks..bs.index(tokens.len()));
         let reused = hit_blocks * bs.get();
+        self.gpu.add_stored(tokens.len() - reused);
+        self.register_full(&mut sequence, hit_blocks..bs.index(tokens.len()));
         Counters::add(&self.counters.prefix_query_tokens, tokens.len() as u64);
         Counters::add(&self.counters.prefix_hit_tokens, reused as u64);
         one.insert(sequence);
@@ -235,6 +233,7 @@ impl BlockManager {
         self.reserve_gpu(needed)?;
         let used = self.append_reserved(s, tokens);
         self.gpu.unreserve(needed - used);
+        self.gpu.add_stored(tokens.len());
         Ok(())
     }
 
@@ -259,7 +258,7 @@ impl BlockManager {
             max_blocks = max_blocks.max(self.bs.pages(s.tokens.len() + 1));
         }
         self.reserve_gpu(needed)?;
-        plan.begin(seqs.len(), max_blocks);
+        plan.begin(seqs.len(), max_blocks, seqs.len());
         let mut used = 0;
         for (&id, &token) in seqs.iter().zip(tokens) {
             let s = batch.get(id).expect("validated above");
@@ -267,6 +266,7 @@ impl BlockManager {
             plan.push(&s.table, s.tokens.len(), 1, self.bs);
         }
         self.gpu.unreserve(needed - used);
+        self.gpu.add_stored(seqs.len());
         Ok(())
     }
 
@@ -283,6 +283,7 @@ impl BlockManager {
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
         let mut max_blocks = 0;
+        let mut num_query_tokens = 0;
         for (&id, &q) in seqs.iter().zip(query_lens) {
             let s = visit(&mut batch, id, stamp, false)?;
             if q == 0 || q as usize > s.tokens.len() {
@@ -292,8 +293,9 @@ impl BlockManager {
                 )));
             }
             max_blocks = max_blocks.max(s.table.len());
+            num_query_tokens += q as usize;
         }
-        plan.begin(seqs.len(), max_blocks);
+        plan.begin(seqs.len(), max_blocks, num_query_tokens);
         for (&id, &q) in seqs.iter().zip(query_lens) {
             let s = batch.get(id).expect("validated above");
             plan.push(&s.table, s.tokens.len(), q as usize, self.bs);
@@ -308,10 +310,12 @@ impl BlockManager {
         if p.swapped {
             return Err(Error::SwappedOut(parent));
         }
-        let mut copy = p.clone();
         if batch.contains(child) {
             return Err(Error::DuplicateSequence(child));
         }
+        let p = batch.get(parent).expect("checked above");
+        p.shared_tail = true;
+        let mut copy = p.clone();
         copy.stamp = 0;
         for &block in &copy.table {
             self.gpu.share_held(block);
@@ -327,10 +331,10 @@ impl BlockManager {
         let s = one.remove().ok_or(Error::UnknownSequence(seq))?;
         if s.swapped {
             for &block in s.table.iter().rev() {
-                self.cpu.release_block(block);
+                self.cpu.release_block(block, 0);
             }
         } else {
-            self.release_gpu_blocks(&s.table);
+            self.release_gpu_blocks(&s.table, s.tokens.len());
         }
         Ok(())
     }
@@ -444,6 +448,7 @@ impl BlockManager {
         let cpu = self.cpu.audit();
         let bs = self.bs;
         let mut gpu_refs = vec![0u32; gpu.states.len()];
+        let mut gpu_fill = vec![0u32; gpu.states.len()];
         let mut cpu_refs = vec![0u32; cpu.states.len()];
         for (&id, s) in batch.iter() {
             let len = s.tokens.len();
@@ -453,6 +458,13 @@ impl BlockManager {
             }
             if self.prefix.is_some() && s.hashes.len() != bs.index(len) {
                 return Err(err(format!("{} hashes for {len} tokens", s.hashes.len())));
+            }
+            let tail = *s.table.last().expect("a sequence has a block");
+            let private_tail = s.swapped || s.shared_tail || bs.offset(len) == 0;
+            if !private_tail && gpu.states[tail as usize].refcount() != 1 {
+                return Err(err(format!(
+                    "partial last block {tail} shared but not marked"
+                )));
             }
             for (i, &block) in s.table.iter().enumerate() {
                 let refs = if s.swapped {
@@ -467,10 +479,10 @@ impl BlockManager {
                 if s.swapped {
                     continue;
                 }
-                if gpu.fill[block as usize] != bs.fill(i, len) {
+                let fill = bs.fill(i, len);
+                if std::mem::replace(&mut gpu_fill[block as usize], fill) != fill && *count > 1 {
                     return Err(err(format!(
-                        "block {block} fill {}",
-                        gpu.fill[block as usize]
+                        "holders of block {block} disagree on its tokens"
                     )));
                 }
                 if let Some(prefix) = &self.prefix {
@@ -530,10 +542,7 @@ impl BlockManager {
                 )));
             }
         }
-        let stored: usize = (0..gpu.states.len())
-            .filter(|&b| gpu_refs[b] > 0)
-            .map(|b| gpu.fill[b] as usize)
-            .sum();
+        let stored: usize = gpu_fill.iter().map(|&f| f as usize).sum();
         if stored != gpu.stored_tokens {
             return Err(Error::InvariantViolated(format!(
                 "stored tokens {} but held blocks hold {stored}",
@@ -654,45 +663,51 @@ impl BlockManager {
         block
     }
 
-    /// Releases a GPU block table, last block first.
-    fn release_gpu_blocks(&self, table: &[BlockId]) {
-        for &block in table.iter().rev() {
-            self.gpu.release_block(block);
+    /// Releases the GPU block table of `len` tokens, last block first.
+    fn release_gpu_blocks(&self, table: &[BlockId], len: usize) {
+        for (i, &block) in table.iter().enumerate().rev() {
+            self.gpu.release_block(block, self.bs.fill(i, len));
         }
     }
 
     /// Blocks an append of `count` tokens takes: a copy-on-write of a shared partial last
     /// block, plus the new blocks.
     fn blocks_to_append(&self, s: &Sequence, count: usize) -> usize {
-        let len = s.tokens.len();
         let bs = self.bs;
-        let last = *s.table.last().expect("a sequence has a block");
-        let cow = bs.offset(len) != 0 && self.gpu.state(last).refcount() > 1;
-        usize::from(cow) + bs.pages(len + count) - s.table.len()
+        usize::from(self.must_copy_tail(s)) + bs.pages(s.tokens.len() + count) - s.table.len()
     }
 
-    /// Appends with blocks already reserved; returns how many it took.
+    /// Whether the last block is partial and shared, so writing to it needs a private copy.
+    fn must_copy_tail(&self, s: &Sequence) -> bool {
+        s.shared_tail
+            && self.bs.offset(s.tokens.len()) != 0
+            && self
+                .gpu
+                .state(*s.table.last().expect("a sequence has a block"))
+                .refcount()
+                > 1
+    }
+
+    /// Appends with blocks already reserved; returns how many it took. The caller counts the
+    /// appended tokens into the pool's stored tokens (once per batch).
     fn append_reserved(&self, s: &mut Sequence, tokens: &[Token]) -> usize {
         let bs = self.bs;
         let len = s.tokens.len();
         let mut used = 0;
-        let mut stored = tokens.len();
-        let partial = bs.offset(len);
-        if partial != 0 {
+        // Only forks and swaps share a partial block, and both need the lock we hold, so the
+        // refcount can only have dropped since `blocks_to_append`.
+        if self.must_copy_tail(s) {
             let last = s.table.last_mut().expect("a sequence has a block");
             let src = *last;
-            // Only forks share a partial block, and forking this sequence needs the lock we hold,
-            // so the refcount read here can only have dropped since `blocks_to_append`.
-            if self.gpu.state(src).refcount() > 1 {
-                let dst = self.take_fresh();
-                used += 1;
-                stored += partial;
-                lock(&self.copies).push([src, dst]);
-                *last = dst;
-                let released = self.gpu.release_block(src);
-                debug_assert_eq!(released, Released::Held);
-            }
+            let dst = self.take_fresh();
+            used += 1;
+            lock(&self.copies).push([src, dst]);
+            *last = dst;
+            let released = self.gpu.release_block(src, bs.offset(len) as u32);
+            debug_assert_eq!(released, Released::Held);
+            self.gpu.add_stored(bs.offset(len));
         }
+        s.shared_tail = false;
         s.tokens.extend_from_slice(tokens);
         let new_len = s.tokens.len();
         let pages = bs.pages(new_len);
@@ -700,10 +715,6 @@ impl BlockManager {
             s.table.push(self.take_fresh());
             used += 1;
         }
-        for i in bs.index(len)..pages {
-            self.gpu.store_fill(s.table[i], bs.fill(i, new_len));
-        }
-        self.gpu.add_stored(stored);
         self.register_full(s, bs.index(len)..bs.index(new_len));
         used
     }
@@ -747,10 +758,10 @@ impl BlockManager {
                 });
             }
         }
-        let (from, to, kind) = if to_gpu {
-            (&self.cpu, &self.gpu, PoolKind::Gpu)
+        let (to, kind) = if to_gpu {
+            (&self.gpu, PoolKind::Gpu)
         } else {
-            (&self.gpu, &self.cpu, PoolKind::Cpu)
+            (&self.cpu, PoolKind::Cpu)
         };
         to.reserve(order.len())
             .map_err(|available| Error::OutOfBlocks {
@@ -772,21 +783,26 @@ impl BlockManager {
         let mut referenced = vec![false; to.num_blocks()];
         for &id in seqs {
             let s = batch.get(id).expect("validated above");
-            for &block in s.table.iter().rev() {
-                from.release_block(block);
-            }
             let len = s.tokens.len();
+            if to_gpu {
+                for &block in s.table.iter().rev() {
+                    self.cpu.release_block(block, 0);
+                }
+            } else {
+                self.release_gpu_blocks(&s.table, len);
+            }
             for (i, block) in s.table.iter_mut().enumerate() {
                 let target = moved[block];
                 if std::mem::replace(&mut referenced[target as usize], true) {
                     to.share_held(target);
-                }
-                if to_gpu {
-                    self.gpu.set_fill(target, self.bs.fill(i, len));
+                } else if to_gpu {
+                    self.gpu.add_stored(self.bs.fill(i, len) as usize);
                 }
                 *block = target;
             }
             s.swapped = !to_gpu;
+            // Sequences swapped together keep sharing the blocks they shared.
+            s.shared_tail = true;
         }
         if to_gpu {
             for &id in seqs {

@@ -47,18 +47,24 @@ impl Plan {
         self.positions.len()
     }
 
-    /// Clears the buffers for a batch of `batch_size` sequences, the widest with `max_blocks`.
-    pub(crate) fn begin(&mut self, batch_size: usize, max_blocks: usize) {
-        self.kv_indptr.clear();
+    /// Clears the buffers for a batch of `batch_size` sequences, the widest with `max_blocks`
+    /// blocks, `num_query_tokens` in all, and reserves room for all of it at once.
+    pub(crate) fn begin(&mut self, batch_size: usize, max_blocks: usize, num_query_tokens: usize) {
+        let cells = batch_size * max_blocks;
+        for (buffer, len) in [
+            (&mut self.kv_indptr, batch_size + 1),
+            (&mut self.kv_indices, cells),
+            (&mut self.kv_last_page_len, batch_size),
+            (&mut self.qo_indptr, batch_size + 1),
+            (&mut self.slot_mapping, num_query_tokens),
+            (&mut self.positions, num_query_tokens),
+            (&mut self.block_tables, cells),
+        ] {
+            buffer.clear();
+            buffer.reserve(len);
+        }
         self.kv_indptr.push(0);
-        self.kv_indices.clear();
-        self.kv_last_page_len.clear();
-        self.qo_indptr.clear();
         self.qo_indptr.push(0);
-        self.slot_mapping.clear();
-        self.positions.clear();
-        self.block_tables.clear();
-        self.block_tables.resize(batch_size * max_blocks, -1);
         self.max_blocks = max_blocks;
     }
 
@@ -70,7 +76,6 @@ impl Plan {
         query_len: usize,
         bs: BlockSize,
     ) {
-        let row = self.batch_size();
         let pages = bs.pages(kv_len);
         let table = &table[..pages];
         self.kv_indices.extend(table.iter().map(|&b| b as i32));
@@ -84,13 +89,9 @@ impl Plan {
                 .push((block * bs.get() + bs.offset(p)) as i32);
         }
         self.qo_indptr.push(self.positions.len() as i32);
-        let first = row * self.max_blocks;
-        for (dst, &b) in self.block_tables[first..first + pages]
-            .iter_mut()
-            .zip(table)
-        {
-            *dst = b as i32;
-        }
+        self.block_tables.extend(table.iter().map(|&b| b as i32));
+        let padding = self.max_blocks - pages;
+        self.block_tables.extend(std::iter::repeat_n(-1, padding));
     }
 }
 
@@ -101,7 +102,7 @@ mod tests {
     #[test]
     fn two_sequences_by_hand() {
         let mut plan = Plan::new();
-        plan.begin(2, 3);
+        plan.begin(2, 3, 5);
         plan.push(&[7, 2, 5], 9, 2, BlockSize::new(4)); // positions 7, 8 in blocks 2 and 5
         plan.push(&[1], 3, 3, BlockSize::new(4));
         assert_eq!(plan.kv_indptr, vec![0, 3, 4]);

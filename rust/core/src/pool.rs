@@ -14,7 +14,7 @@
 use crate::block::BlockState;
 use crate::free_list::FreeList;
 use crate::lru::Lru;
-use crate::sync::{backoff, lock, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{backoff, lock, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::BlockId;
 
 /// A pool of `num_blocks` blocks with lock-free allocation and reference counting.
@@ -30,7 +30,6 @@ use crate::BlockId;
 /// ```
 pub struct BlockPool {
     states: Box<[AtomicU64]>,
-    fill: Box<[AtomicU32]>,
     free: FreeList,
     lru: Mutex<Lru>,
     num_cached: AtomicUsize,
@@ -61,7 +60,6 @@ pub(crate) enum Released {
 /// A consistent picture of the pool, taken while nothing else runs (see `check`).
 pub(crate) struct PoolAudit {
     pub(crate) states: Vec<BlockState>,
-    pub(crate) fill: Vec<u32>,
     pub(crate) free: Vec<BlockId>,
     pub(crate) cached: Vec<BlockId>,
     pub(crate) num_cached: usize,
@@ -76,7 +74,6 @@ impl BlockPool {
             states: (0..num_blocks)
                 .map(|_| AtomicU64::new(BlockState::FREE.0))
                 .collect(),
-            fill: (0..num_blocks).map(|_| AtomicU32::new(0)).collect(),
             free: FreeList::full(num_blocks),
             lru: Mutex::new(Lru::new(num_blocks)),
             num_cached: AtomicUsize::new(0),
@@ -94,7 +91,7 @@ impl BlockPool {
 
     /// Drops one reference to `block`; at zero it becomes CACHED if hashed, else FREE.
     pub fn release(&self, block: BlockId) {
-        self.release_block(block);
+        self.release_block(block, 0);
     }
 
     /// Number of blocks nobody holds and that are not in the prefix cache.
@@ -149,7 +146,6 @@ impl BlockPool {
                 let state = &self.states[block as usize];
                 let old = BlockState(state.load(Ordering::Relaxed));
                 state.store(old.fresh().0, Ordering::Relaxed);
-                self.fill[block as usize].store(0, Ordering::Relaxed);
                 return (block, false);
             }
             let mut lru = lock(&self.lru);
@@ -160,7 +156,6 @@ impl BlockPool {
                 let old = BlockState(state.load(Ordering::Relaxed));
                 debug_assert!(old.cached());
                 state.store(old.fresh().0, Ordering::Release);
-                self.fill[block as usize].store(0, Ordering::Relaxed);
                 return (block, true);
             }
             drop(lru);
@@ -183,8 +178,9 @@ impl BlockPool {
 
     /// Takes a reference to a block a prefix lookup matched, if it is still the incarnation
     /// `seen` (same generation, still hashed) and still in the same class (held or cached).
-    /// Reviving a CACHED block consumes one block the caller reserved.
-    pub(crate) fn acquire_hit(&self, block: BlockId, seen: BlockState) -> Option<Hit> {
+    /// Reviving a CACHED block consumes one block the caller reserved and counts its `fill`
+    /// tokens as stored again.
+    pub(crate) fn acquire_hit(&self, block: BlockId, seen: BlockState, fill: u32) -> Option<Hit> {
         let state = &self.states[block as usize];
         if seen.refcount() > 0 {
             let mut current = BlockState(state.load(Ordering::Relaxed));
@@ -213,7 +209,6 @@ impl BlockPool {
         lru.remove(block);
         self.num_cached.fetch_sub(1, Ordering::Relaxed);
         state.store(current.with_refcount(1).0, Ordering::Relaxed);
-        let fill = self.fill[block as usize].load(Ordering::Relaxed);
         self.stored_tokens
             .fetch_add(fill as usize, Ordering::Relaxed);
         Some(Hit::Revived)
@@ -227,30 +222,15 @@ impl BlockPool {
         debug_assert!(BlockState(old).refcount() >= 1);
     }
 
-    /// Sets how many token slots of a held block are filled, keeping the stored-token count.
-    pub(crate) fn set_fill(&self, block: BlockId, tokens: u32) {
-        let old = self.fill[block as usize].swap(tokens, Ordering::Relaxed);
-        if tokens >= old {
-            self.stored_tokens
-                .fetch_add((tokens - old) as usize, Ordering::Relaxed);
-        } else {
-            self.stored_tokens
-                .fetch_sub((old - tokens) as usize, Ordering::Relaxed);
-        }
-    }
-
-    /// Records the fill of a block only the caller writes to; pair with [`Self::add_stored`].
-    pub(crate) fn store_fill(&self, block: BlockId, tokens: u32) {
-        self.fill[block as usize].store(tokens, Ordering::Relaxed);
-    }
-
     /// Counts `tokens` newly written into held blocks.
     pub(crate) fn add_stored(&self, tokens: usize) {
         self.stored_tokens.fetch_add(tokens, Ordering::Relaxed);
     }
 
-    /// Drops one reference; see [`Released`].
-    pub(crate) fn release_block(&self, block: BlockId) -> Released {
+    /// Drops one reference to a block holding `fill` tokens (all its holders agree on that);
+    /// at zero they no longer count as stored. See [`Released`].
+    pub(crate) fn release_block(&self, block: BlockId, fill: u32) -> Released {
+        let fill = fill as usize;
         let state = &self.states[block as usize];
         let mut current = BlockState(state.load(Ordering::Relaxed));
         loop {
@@ -270,7 +250,6 @@ impl BlockPool {
                     }
                 }
             }
-            let fill = self.fill[block as usize].load(Ordering::Relaxed) as usize;
             if current.hashed() {
                 let mut lru = lock(&self.lru);
                 if let Err(now) = state.compare_exchange(
@@ -329,11 +308,6 @@ impl BlockPool {
                 .iter()
                 .map(|s| BlockState(s.load(Ordering::Acquire)))
                 .collect(),
-            fill: self
-                .fill
-                .iter()
-                .map(|f| f.load(Ordering::Relaxed))
-                .collect(),
             free: self.free.snapshot(),
             cached: lru.iter().collect(),
             num_cached: self.num_cached.load(Ordering::Relaxed),
@@ -350,7 +324,7 @@ mod tests {
     fn cached_block(pool: &BlockPool) -> BlockId {
         let block = pool.allocate().unwrap();
         pool.mark_hashed(block);
-        assert_eq!(pool.release_block(block), Released::Cached);
+        assert_eq!(pool.release_block(block, 0), Released::Cached);
         block
     }
 
@@ -365,9 +339,9 @@ mod tests {
         for &block in &held {
             pool.mark_hashed(block);
         }
-        pool.release_block(held[2]);
-        pool.release_block(held[0]);
-        pool.release_block(held[1]);
+        pool.release_block(held[2], 0);
+        pool.release_block(held[0], 0);
+        pool.release_block(held[1], 0);
         assert_eq!(pool.num_cached(), 3);
         pool.reserve(3).unwrap();
         let order: Vec<_> = (0..3).map(|_| pool.take_reserved()).collect();
@@ -390,26 +364,35 @@ mod tests {
         let block = cached_block(&pool);
         let seen = pool.state(block);
         pool.reserve(1).unwrap();
-        assert_eq!(pool.acquire_hit(block, seen), Some(Hit::Revived));
+        assert_eq!(pool.acquire_hit(block, seen, 0), Some(Hit::Revived));
         let held = pool.state(block);
-        assert_eq!(pool.acquire_hit(block, held), Some(Hit::Shared));
+        assert_eq!(pool.acquire_hit(block, held, 0), Some(Hit::Shared));
         assert_eq!(pool.state(block).refcount(), 2);
-        assert_eq!(pool.acquire_hit(block, seen), None, "stale cached snapshot");
+        assert_eq!(
+            pool.acquire_hit(block, seen, 0),
+            None,
+            "stale cached snapshot"
+        );
         pool.clear_hashes([block].into_iter());
-        assert_eq!(pool.acquire_hit(block, held), None, "no longer registered");
-        assert_eq!(pool.release_block(block), Released::Held);
-        assert_eq!(pool.release_block(block), Released::Freed);
+        assert_eq!(
+            pool.acquire_hit(block, held, 0),
+            None,
+            "no longer registered"
+        );
+        assert_eq!(pool.release_block(block, 0), Released::Held);
+        assert_eq!(pool.release_block(block, 0), Released::Freed);
         assert_eq!(pool.num_free(), 2);
     }
 
     #[test]
-    fn fill_tracks_stored_tokens() {
+    fn releases_uncount_stored_tokens() {
         let pool = BlockPool::new(2);
         let block = pool.allocate().unwrap();
-        pool.set_fill(block, 5);
-        pool.set_fill(block, 3);
-        assert_eq!(pool.stored_tokens(), 3);
-        pool.release(block);
+        pool.add_stored(5);
+        pool.share_held(block);
+        assert_eq!(pool.release_block(block, 5), Released::Held);
+        assert_eq!(pool.stored_tokens(), 5);
+        assert_eq!(pool.release_block(block, 5), Released::Freed);
         assert_eq!(pool.stored_tokens(), 0);
     }
 }
@@ -425,7 +408,7 @@ mod loom_tests {
         let blocks: Vec<_> = (0..n).map(|_| pool.allocate().unwrap()).collect();
         for &b in &blocks {
             pool.mark_hashed(b);
-            pool.release_block(b);
+            pool.release_block(b, 0);
         }
         pool
     }
@@ -452,7 +435,7 @@ mod loom_tests {
                 let pool = pool.clone();
                 loom::thread::spawn(move || pool.take_reserved())
             };
-            let revived = pool.acquire_hit(0, seen);
+            let revived = pool.acquire_hit(0, seen, 0);
             let (evicted, was_cached) = evictor.join().unwrap();
             assert!(was_cached);
             match revived {
@@ -481,9 +464,9 @@ mod loom_tests {
             let seen = pool.state(block);
             let owner = {
                 let pool = pool.clone();
-                loom::thread::spawn(move || pool.release_block(block))
+                loom::thread::spawn(move || pool.release_block(block, 0))
             };
-            let hit = pool.acquire_hit(block, seen);
+            let hit = pool.acquire_hit(block, seen, 0);
             let released = owner.join().unwrap();
             match hit {
                 Some(Hit::Shared) => {
@@ -531,7 +514,7 @@ mod loom_tests {
             pool.mark_hashed(block);
             let owner = {
                 let pool = pool.clone();
-                loom::thread::spawn(move || pool.release_block(block))
+                loom::thread::spawn(move || pool.release_block(block, 0))
             };
             pool.clear_hashes([block].into_iter());
             owner.join().unwrap();

@@ -22,6 +22,9 @@ pub(crate) struct Sequence {
     /// Chaining value before block 0 (binds the key and the salt).
     pub(crate) root: Chain,
     pub(crate) swapped: bool,
+    /// The partial last block may be shared (after a fork or a swap), so an append must check
+    /// its refcount and copy on write. False means it is held by this sequence alone.
+    pub(crate) shared_tail: bool,
     /// The last batch that visited this sequence; detects repeats within one batch.
     pub(crate) stamp: u64,
 }

@@ -61,16 +61,21 @@ enum ModelEvent {
 /// A model result: `Err` lists every error SEMANTICS.md allows for the call.
 type Expect<T> = Result<T, Vec<Error>>;
 
+/// SEMANTICS.md executed literally, one plain data structure per concept.
 struct Model {
     bs: usize,
     num_blocks: usize,
     caching: bool,
     events_on: bool,
     watermark: f64,
+    /// The GPU free stack; the top is the end.
     free: Vec<BlockId>,
+    /// CACHED blocks; the head is the least recently released (the next victim).
     cached: VecDeque<BlockId>,
     refcount: Vec<u32>,
+    /// The key a block is registered under (hashed), if any.
     hash: Vec<Option<Key>>,
+    /// The prefix map.
     prefix: HashMap<Key, BlockId>,
     cpu_free: Vec<BlockId>,
     cpu_refcount: Vec<u32>,
@@ -802,7 +807,8 @@ struct Harness {
     real: BlockManager,
     model: Model,
     binding: HashBinding,
-    next_seq_no: Option<u64>,
+    /// Events are numbered from 0 over the manager's life.
+    next_seq_no: u64,
     plan: Plan,
 }
 
@@ -860,7 +866,7 @@ impl Harness {
             real,
             model,
             binding: HashBinding::default(),
-            next_seq_no: None,
+            next_seq_no: 0,
             plan: Plan::new(),
         }
     }
@@ -1051,13 +1057,12 @@ impl Harness {
         );
         let bs = self.model.bs;
         for (r, m) in real.iter().zip(&model) {
-            let expected = *self.next_seq_no.get_or_insert(r.seq_no);
             prop_assert_eq!(
                 r.seq_no,
-                expected,
-                "event sequence numbers must count up by one"
+                self.next_seq_no,
+                "events are numbered 0, 1, 2, ..."
             );
-            self.next_seq_no = Some(expected + 1);
+            self.next_seq_no += 1;
             match (&r.kind, m) {
                 (
                     EventKind::BlockStored {

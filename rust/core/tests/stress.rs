@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Barrier;
 use std::thread;
 
-use pagedkv::{BlockManager, Config, Error, EventKind, Plan, PoolKind, SeqId, Token};
+use pagedkv::{BlockManager, Config, Error, Event, EventKind, Plan, PoolKind, SeqId, Token};
 
 /// A small deterministic generator (SplitMix64), so each thread's choices are reproducible.
 struct Rng(u64);
@@ -60,6 +60,38 @@ fn shared_prefixes(bs: usize) -> Vec<Vec<Token>> {
                 .collect()
         })
         .collect()
+}
+
+/// Replays the event stream: it must be gapless from 0, a hash may be stored only while absent
+/// and removed only while present (the cache is never reset in these tests).
+#[derive(Default)]
+struct Replay {
+    next_seq_no: u64,
+    cached: HashSet<u128>,
+    removed: u64,
+}
+
+impl Replay {
+    fn feed(&mut self, events: &[Event]) {
+        for e in events {
+            let n = e.seq_no;
+            assert_eq!(n, self.next_seq_no, "event sequence numbers");
+            self.next_seq_no += 1;
+            match &e.kind {
+                EventKind::BlockStored { block_hash, .. } => {
+                    assert!(self.cached.insert(*block_hash), "event {n}: stored twice");
+                }
+                EventKind::BlockRemoved { block_hash } => {
+                    assert!(
+                        self.cached.remove(block_hash),
+                        "event {n}: removed while absent"
+                    );
+                    self.removed += 1;
+                }
+                EventKind::AllBlocksCleared => panic!("event {n}: nobody reset the cache"),
+            }
+        }
+    }
 }
 
 /// Asserts that the sequence's tokens and table agree with what its owner expects.
@@ -306,18 +338,21 @@ fn four_threads_share_one_manager() {
     let tally = Tally::default();
     let done = AtomicBool::new(false);
 
-    let owned: Vec<Owned> = thread::scope(|scope| {
-        // An observer reading shared state while the workers change it.
+    let (owned, mut replay): (Vec<Owned>, Replay) = thread::scope(|scope| {
+        // An observer reading shared state and draining events while the workers run.
         let observer = scope.spawn(|| {
+            let mut replay = Replay::default();
             let mut reads = 0u64;
             while !done.load(Ordering::Relaxed) {
                 let st = mgr.stats();
                 assert_eq!(st.num_blocks, 96);
                 assert!((0.0..=1.0).contains(&st.usage));
                 let _ = mgr.can_allocate(&shared_prefixes(4)[0], None);
+                replay.feed(&mgr.take_events());
                 reads += 1;
             }
-            reads
+            assert!(reads > 0);
+            replay
         });
         let (mgr, tally) = (&mgr, &tally);
         let workers: Vec<_> = (0..THREADS)
@@ -328,8 +363,7 @@ fn four_threads_share_one_manager() {
             .flat_map(|w| w.join().unwrap())
             .collect();
         done.store(true, Ordering::Relaxed);
-        assert!(observer.join().unwrap() > 0);
-        owned
+        (owned, observer.join().unwrap())
     });
 
     assert_accounted(&mgr);
@@ -359,27 +393,10 @@ fn four_threads_share_one_manager() {
     assert_eq!((st.num_held, st.stored_tokens), (0, 0));
     assert!(mgr.is_empty());
 
-    // Events from all threads form one gapless series from 0, and replaying it gives a
-    // consistent cache: a hash is stored only while absent and removed only while present, and
-    // what remains is exactly what is cached now (nothing is held; the cache was never reset).
-    let events = mgr.take_events();
-    let mut cached: HashSet<u128> = HashSet::new();
-    let mut removed = 0u64;
-    for (i, e) in events.iter().enumerate() {
-        assert_eq!(e.seq_no, i as u64, "event sequence numbers");
-        match &e.kind {
-            EventKind::BlockStored { block_hash, .. } => {
-                assert!(cached.insert(*block_hash), "event {i}: stored twice");
-            }
-            EventKind::BlockRemoved { block_hash } => {
-                assert!(cached.remove(block_hash), "event {i}: removed while absent");
-                removed += 1;
-            }
-            EventKind::AllBlocksCleared => panic!("event {i}: nobody reset the cache"),
-        }
-    }
-    assert_eq!(cached.len(), st.num_cached);
-    assert_eq!(removed, st.evictions);
+    // What was stored and not removed is exactly what is cached now (nothing is held).
+    replay.feed(&mgr.take_events());
+    assert_eq!(replay.cached.len(), st.num_cached);
+    assert_eq!(replay.removed, st.evictions);
 }
 
 /// Threads hit one cached prefix while others force its blocks out: each hit must either revive
