@@ -1,6 +1,6 @@
 //! A lock-free LIFO stack of block ids (a Treiber stack over an index array).
 
-use crate::sync::{backoff, AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Backoff, Ordering};
 use crate::BlockId;
 
 const NIL: u32 = u32::MAX;
@@ -39,6 +39,7 @@ impl FreeList {
 
     /// Pushes a block that nobody else references.
     pub(crate) fn push(&self, block: BlockId) {
+        let mut backoff = Backoff::default();
         let mut head = self.head.load(Ordering::Relaxed);
         loop {
             self.next[block as usize].store(top(head), Ordering::Relaxed);
@@ -52,7 +53,7 @@ impl FreeList {
                 Ok(_) => return,
                 Err(current) => {
                     head = current;
-                    backoff();
+                    backoff.snooze();
                 }
             }
         }
@@ -61,6 +62,7 @@ impl FreeList {
     /// Pops the most recently pushed block, or `None` when the stack is empty.
     pub(crate) fn pop(&self) -> Option<BlockId> {
         // Acquire: pairs with `push`'s release so `next[top]` is the pushed value.
+        let mut backoff = Backoff::default();
         let mut head = self.head.load(Ordering::Acquire);
         loop {
             let block = top(head);
@@ -78,7 +80,7 @@ impl FreeList {
                 Ok(_) => return Some(block),
                 Err(current) => {
                     head = current;
-                    backoff();
+                    backoff.snooze();
                 }
             }
         }

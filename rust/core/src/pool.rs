@@ -14,7 +14,7 @@
 use crate::block::BlockState;
 use crate::free_list::FreeList;
 use crate::lru::Lru;
-use crate::sync::{backoff, lock, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{lock, AtomicU64, AtomicUsize, Backoff, Mutex, Ordering};
 use crate::BlockId;
 
 /// A pool of `num_blocks` blocks with lock-free allocation and reference counting.
@@ -140,6 +140,7 @@ impl BlockPool {
     /// Takes a block the caller reserved: FREE first, else the LRU head. Returns the block and
     /// whether it was evicted from the prefix cache (the caller then unregisters its hash).
     pub(crate) fn take_reserved(&self) -> (BlockId, bool) {
+        let mut backoff = Backoff::default();
         loop {
             if let Some(block) = self.free.pop() {
                 // Nobody else writes a FREE block's state: lookups only CAS hashed snapshots.
@@ -160,7 +161,7 @@ impl BlockPool {
             }
             drop(lru);
             // Our reserved block is being pushed by a releaser right now.
-            backoff();
+            backoff.snooze();
         }
     }
 
@@ -268,15 +269,9 @@ impl BlockPool {
                 self.available.fetch_add(1, Ordering::Release);
                 return Released::Cached;
             }
-            if let Err(now) = state.compare_exchange(
-                current.0,
-                current.with_refcount(0).0,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
-                current = BlockState(now);
-                continue;
-            }
+            // The last holder of an unhashed block is alone with it: lookups only CAS hashed
+            // snapshots, and nobody else can register or share it. A store suffices.
+            state.store(current.with_refcount(0).0, Ordering::Release);
             self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
             self.free.push(block);
             // After the push: a reservation counted here always finds the block.

@@ -20,10 +20,21 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Backs off inside a retry loop (under loom, lets the other threads run).
-pub(crate) fn backoff() {
-    #[cfg(loom)]
-    loom::thread::yield_now();
-    #[cfg(not(loom))]
-    std::hint::spin_loop();
+/// Exponential backoff for a retry loop: after a failed compare-and-swap, waiting a little
+/// (longer each time) lets the winner's cache line settle instead of every thread retrying into
+/// it at once. Under loom it yields, so the model checker can run the other threads.
+#[derive(Default)]
+pub(crate) struct Backoff(u32);
+
+impl Backoff {
+    /// Waits after one more failed attempt.
+    pub(crate) fn snooze(&mut self) {
+        #[cfg(loom)]
+        loom::thread::yield_now();
+        #[cfg(not(loom))]
+        for _ in 0..1u32 << self.0 {
+            std::hint::spin_loop();
+        }
+        self.0 = (self.0 + 1).min(6);
+    }
 }

@@ -21,7 +21,11 @@ use proptest::sample::Index;
 
 /// Cases when `PROPTEST_CASES` is unset: 25-60 s on two cores in release (the intended way to
 /// run this test), and a smoke run in debug builds, which are some twenty times slower.
-const DEFAULT_CASES: u32 = if cfg!(debug_assertions) { 500 } else { 50_000 };
+const DEFAULT_CASES: u32 = if cfg!(debug_assertions) {
+    1_000
+} else {
+    50_000
+};
 /// Sequence ids the operations draw from (a few more than the pools can usually hold).
 const NUM_IDS: u64 = 8;
 /// System prompts that many prompts start with, over the same small alphabet as the suffixes.
