@@ -101,6 +101,29 @@ class _Counters:
     next_seq_no: int = 0
 
 
+# The observable fields both managers expose, for tests comparing them.
+STATS_FIELDS = (
+    "num_blocks",
+    "num_free",
+    "num_cached",
+    "num_held",
+    "usage",
+    "token_usage",
+    "prefix_query_tokens",
+    "prefix_hit_tokens",
+    "evictions",
+)
+PLAN_ARRAYS = (
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "qo_indptr",
+    "slot_mapping",
+    "positions",
+    "block_tables",
+)
+
+
 def _int_list(values: Iterable[int] | npt.NDArray[np.integer], what: str) -> list[int]:
     """Check that `values` is a 1-D sequence of integers and return it as a list of ints."""
     if isinstance(values, np.ndarray):

@@ -12,30 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from reference_manager import PLAN_ARRAYS, STATS_FIELDS
 
 from pagedkv import BlockManager, OutOfBlocks
 
 KEY = bytes(range(32))
-STATS_FIELDS = (
-    "num_blocks",
-    "num_free",
-    "num_cached",
-    "num_held",
-    "usage",
-    "token_usage",
-    "prefix_query_tokens",
-    "prefix_hit_tokens",
-    "evictions",
-)
-PLAN_ARRAYS = (
-    "kv_indptr",
-    "kv_indices",
-    "kv_last_page_len",
-    "qo_indptr",
-    "slot_mapping",
-    "positions",
-    "block_tables",
-)
 
 
 def stats_of(mgr: BlockManager) -> dict[str, Any]:

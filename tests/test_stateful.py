@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from reference_manager import ReferenceBlockManager
+from reference_manager import PLAN_ARRAYS, STATS_FIELDS, ReferenceBlockManager
 
 from pagedkv import BlockManager, OutOfBlocks
 
@@ -26,26 +26,6 @@ MAX_ID = 12
 # parents are the common case, not the exception.
 SYSTEM_PROMPTS = ([1, 2, 3, 1, 2, 3, 1, 2], [3, 3, 2, 2, 1, 1], [0, 1] * 5)
 SALTS = (None, None, None, b"tenant-a", b"tenant-b")
-STATS_FIELDS = (
-    "num_blocks",
-    "num_free",
-    "num_cached",
-    "num_held",
-    "usage",
-    "token_usage",
-    "prefix_query_tokens",
-    "prefix_hit_tokens",
-    "evictions",
-)
-PLAN_ARRAYS = (
-    "kv_indptr",
-    "kv_indices",
-    "kv_last_page_len",
-    "qo_indptr",
-    "slot_mapping",
-    "positions",
-    "block_tables",
-)
 token = st.integers(0, 3)
 
 
