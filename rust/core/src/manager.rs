@@ -258,20 +258,22 @@ impl BlockManager {
             max_blocks = max_blocks.max(self.bs.pages(s.tokens.len() + 1));
         }
         self.reserve_gpu(needed)?;
-        plan.begin(seqs.len(), max_blocks, seqs.len());
+        plan.begin(seqs.len(), seqs.len() * max_blocks, seqs.len());
         let mut used = 0;
         for (&id, &token) in seqs.iter().zip(tokens) {
             let s = batch.get(id).expect("validated above");
             used += self.append_reserved(s, &[token]);
             plan.push(&s.table, s.tokens.len(), 1, self.bs);
         }
+        plan.finish();
         self.gpu.unreserve(needed - used);
         self.gpu.add_stored(seqs.len());
         Ok(())
     }
 
     /// Writes the plan for any batch into `plan`: sequence `seqs[i]`'s last `query_lens[i]`
-    /// tokens are the queries (prefill, chunked prefill, decode or a mix).
+    /// tokens are the queries (prefill, chunked prefill, decode or a mix). On an error `plan` is
+    /// left empty.
     pub fn plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
         if seqs.len() != query_lens.len() {
             return Err(invalid(format!(
@@ -282,24 +284,29 @@ impl BlockManager {
         }
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
-        let mut max_blocks = 0;
-        let mut num_query_tokens = 0;
+        plan.begin(
+            seqs.len(),
+            plan.kv_indices.capacity(),
+            plan.positions.capacity(),
+        );
         for (&id, &q) in seqs.iter().zip(query_lens) {
-            let s = visit(&mut batch, id, stamp, false)?;
-            if q == 0 || q as usize > s.tokens.len() {
-                return Err(invalid(format!(
-                    "query length {q} of sequence {id} must be in 1..={}",
-                    s.tokens.len()
-                )));
-            }
-            max_blocks = max_blocks.max(s.table.len());
-            num_query_tokens += q as usize;
-        }
-        plan.begin(seqs.len(), max_blocks, num_query_tokens);
-        for (&id, &q) in seqs.iter().zip(query_lens) {
-            let s = batch.get(id).expect("validated above");
+            let s = match visit(&mut batch, id, stamp, false) {
+                Ok(s) if q >= 1 && q as usize <= s.tokens.len() => s,
+                Ok(s) => {
+                    let len = s.tokens.len();
+                    plan.begin(0, 0, 0);
+                    return Err(invalid(format!(
+                        "query length {q} of sequence {id} must be in 1..={len}"
+                    )));
+                }
+                Err(e) => {
+                    plan.begin(0, 0, 0);
+                    return Err(e);
+                }
+            };
             plan.push(&s.table, s.tokens.len(), q as usize, self.bs);
         }
+        plan.finish();
         Ok(())
     }
 

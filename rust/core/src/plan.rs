@@ -47,25 +47,32 @@ impl Plan {
         self.positions.len()
     }
 
-    /// Clears the buffers for a batch of `batch_size` sequences, the widest with `max_blocks`
-    /// blocks, `num_query_tokens` in all, and reserves room for all of it at once.
-    pub(crate) fn begin(&mut self, batch_size: usize, max_blocks: usize, num_query_tokens: usize) {
-        let cells = batch_size * max_blocks;
+    /// An empty plan with room for `batch_size` sequences, `nnz` pages and `num_query_tokens`
+    /// query tokens, so that filling it allocates nothing.
+    pub fn with_capacity(batch_size: usize, nnz: usize, num_query_tokens: usize) -> Plan {
+        let mut plan = Plan::new();
+        plan.begin(batch_size, nnz, num_query_tokens);
+        plan
+    }
+
+    /// Clears the buffers for a batch of `batch_size` sequences and reserves room for `nnz`
+    /// pages and `num_query_tokens` query tokens (more is fine, just slower).
+    pub(crate) fn begin(&mut self, batch_size: usize, nnz: usize, num_query_tokens: usize) {
         for (buffer, len) in [
             (&mut self.kv_indptr, batch_size + 1),
-            (&mut self.kv_indices, cells),
+            (&mut self.kv_indices, nnz),
             (&mut self.kv_last_page_len, batch_size),
             (&mut self.qo_indptr, batch_size + 1),
             (&mut self.slot_mapping, num_query_tokens),
             (&mut self.positions, num_query_tokens),
-            (&mut self.block_tables, cells),
+            (&mut self.block_tables, 0),
         ] {
             buffer.clear();
             buffer.reserve(len);
         }
         self.kv_indptr.push(0);
         self.qo_indptr.push(0);
-        self.max_blocks = max_blocks;
+        self.max_blocks = 0;
     }
 
     /// Adds the next sequence: `kv_len` tokens in `table`, the last `query_len` of them new.
@@ -89,9 +96,19 @@ impl Plan {
                 .push((block * bs.get() + bs.offset(p)) as i32);
         }
         self.qo_indptr.push(self.positions.len() as i32);
-        self.block_tables.extend(table.iter().map(|&b| b as i32));
-        let padding = self.max_blocks - pages;
-        self.block_tables.extend(std::iter::repeat_n(-1, padding));
+        self.max_blocks = self.max_blocks.max(pages);
+    }
+
+    /// Builds the padded block tables from the pages, once every sequence is in.
+    pub(crate) fn finish(&mut self) {
+        let width = self.max_blocks;
+        self.block_tables.reserve(self.batch_size() * width);
+        for row in self.kv_indptr.windows(2) {
+            let pages = &self.kv_indices[row[0] as usize..row[1] as usize];
+            self.block_tables.extend_from_slice(pages);
+            self.block_tables
+                .extend(std::iter::repeat_n(-1, width - pages.len()));
+        }
     }
 }
 
@@ -102,9 +119,10 @@ mod tests {
     #[test]
     fn two_sequences_by_hand() {
         let mut plan = Plan::new();
-        plan.begin(2, 3, 5);
+        plan.begin(2, 4, 5);
         plan.push(&[7, 2, 5], 9, 2, BlockSize::new(4)); // positions 7, 8 in blocks 2 and 5
         plan.push(&[1], 3, 3, BlockSize::new(4));
+        plan.finish();
         assert_eq!(plan.kv_indptr, vec![0, 3, 4]);
         assert_eq!(plan.kv_indices, vec![7, 2, 5, 1]);
         assert_eq!(plan.kv_last_page_len, vec![1, 3]);

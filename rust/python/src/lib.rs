@@ -1,8 +1,8 @@
 //! Python bindings of `pagedkv`: type and error conversion only; all logic lives in the core.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use numpy::ndarray::Array2;
+use numpy::ndarray::{Array2, ArrayViewMut1, ArrayViewMut2};
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
     PyUntypedArrayMethods,
@@ -10,7 +10,6 @@ use numpy::{
 use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyString};
 
 use pagedkv as core;
@@ -36,18 +35,33 @@ fn to_py(err: core::Error) -> PyErr {
     }
 }
 
+/// The integer types ids convert to.
+trait Id: Copy {
+    const MAX: u64;
+    /// `value` is known to be at most `MAX`.
+    fn narrow(value: u64) -> Self;
+}
+
+impl Id for u32 {
+    const MAX: u64 = u32::MAX as u64;
+    fn narrow(value: u64) -> Self {
+        value as u32
+    }
+}
+
+impl Id for u64 {
+    const MAX: u64 = u64::MAX;
+    fn narrow(value: u64) -> Self {
+        value
+    }
+}
+
 /// Reads a 1-D integer array or sequence into `T`, naming `what` and the bad value in errors.
 /// numpy arrays of any integer dtype are read in place, without a Python object per element.
-fn integers<T>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<T>>
-where
-    T: TryFrom<i64> + TryFrom<u64> + Copy + Into<u64>,
-{
-    let out_of_range = |v: &dyn std::fmt::Display| {
-        let max: u64 = T::try_from(u64::MAX)
-            .map(Into::into)
-            .unwrap_or_else(|_| u64::from(u32::MAX));
-        PyValueError::new_err(format!("{what} must be in [0, {max}], got {v}"))
-    };
+fn integers<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<T>> {
+    let out_of_range =
+        |v: i128| PyValueError::new_err(format!("{what} must be in [0, {}], got {v}", T::MAX));
+    let in_range = |v: i128| (0..=i128::from(T::MAX)).contains(&v);
     if let Ok(array) = obj.downcast::<PyUntypedArray>() {
         if array.ndim() != 1 {
             return Err(PyValueError::new_err(format!(
@@ -56,19 +70,18 @@ where
             )));
         }
         macro_rules! read_as {
-            ($wide:ty; $($t:ty),*) => {$(
+            ($($t:ty),*) => {$(
                 if array.dtype().is_equiv_to(&numpy::dtype::<$t>(obj.py())) {
                     let typed = array.downcast::<PyArray1<$t>>()?.readonly();
-                    return typed
-                        .as_array()
-                        .iter()
-                        .map(|&v| T::try_from(v as $wide).map_err(|_| out_of_range(&v)))
-                        .collect();
+                    let values = typed.as_array();
+                    if let Some(&bad) = values.iter().find(|&&v| !in_range(v as i128)) {
+                        return Err(out_of_range(bad as i128));
+                    }
+                    return Ok(values.iter().map(|&v| T::narrow(v as u64)).collect());
                 }
             )*};
         }
-        read_as!(i64; i64, i32, i16, i8);
-        read_as!(u64; u64, u32, u16, u8);
+        read_as!(i64, i32, u32, u64, i16, u16, i8, u8);
         return Err(PyValueError::new_err(format!(
             "{what} must be an integer array, got dtype {}",
             array.dtype()
@@ -84,15 +97,10 @@ where
             "{what} must be a 1-D integer array or a sequence of ints"
         ))
     })?;
-    values
-        .into_iter()
-        .map(|v| {
-            u64::try_from(v)
-                .ok()
-                .and_then(|u| T::try_from(u).ok())
-                .ok_or_else(|| out_of_range(&v))
-        })
-        .collect()
+    if let Some(&bad) = values.iter().find(|&&v| !in_range(v)) {
+        return Err(out_of_range(bad));
+    }
+    Ok(values.into_iter().map(|v| T::narrow(v as u64)).collect())
 }
 
 fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -135,6 +143,29 @@ fn pairs<'py>(py: Python<'py>, pairs: Vec<[u32; 2]>) -> Bound<'py, PyArray2<i32>
 #[pyclass(frozen, module = "pagedkv._core")]
 struct BlockManager {
     inner: core::BlockManager,
+    /// Buffers of dropped plans, reused by the next steps.
+    spare_plans: PlanPool,
+}
+
+impl BlockManager {
+    /// Plan buffers to fill: a dropped plan's when there is one (warm, already large enough).
+    fn fresh_plan(&self) -> core::Plan {
+        let spare = self
+            .spare_plans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        spare.unwrap_or_default()
+    }
+
+    /// Wraps a filled plan for Python.
+    fn hand_out(&self, plan: core::Plan) -> Plan {
+        Plan::new(
+            plan,
+            self.inner.config().block_size,
+            self.spare_plans.clone(),
+        )
+    }
 }
 
 #[pymethods]
@@ -173,7 +204,10 @@ impl BlockManager {
             enable_events,
         };
         let inner = core::BlockManager::new(config).map_err(to_py)?;
-        Ok(BlockManager { inner })
+        Ok(BlockManager {
+            inner,
+            spare_plans: PlanPool::default(),
+        })
     }
 
     /// Blocks in the GPU pool.
@@ -234,10 +268,10 @@ impl BlockManager {
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Plan> {
         let (ids, tokens) = (self::seq_ids(seq_ids)?, self::token_ids(token_ids)?);
-        let mut plan = core::Plan::new();
+        let mut plan = self.fresh_plan();
         py.detach(|| self.inner.step(&ids, &tokens, &mut plan))
             .map_err(to_py)?;
-        Ok(Plan::new(plan, self.inner.config().block_size))
+        Ok(self.hand_out(plan))
     }
 
     fn plan(
@@ -248,10 +282,10 @@ impl BlockManager {
     ) -> PyResult<Plan> {
         let ids = self::seq_ids(seq_ids)?;
         let lens: Vec<u32> = integers(query_lens, "query lengths")?;
-        let mut plan = core::Plan::new();
+        let mut plan = self.fresh_plan();
         py.detach(|| self.inner.plan(&ids, &lens, &mut plan))
             .map_err(to_py)?;
-        Ok(Plan::new(plan, self.inner.config().block_size))
+        Ok(self.hand_out(plan))
     }
 
     fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -357,12 +391,21 @@ impl BlockManager {
     }
 }
 
-/// The plan of one step. Each array is handed to numpy without copying the first time it is
-/// read, and is then the same object on every read.
+/// Plan buffers of dropped plans, kept for reuse: fresh buffers every step would cost page
+/// faults once plans get large.
+type PlanPool = Arc<Mutex<Vec<core::Plan>>>;
+
+/// Spare plans kept per manager (a step rarely has more than two plans alive).
+const SPARE_PLANS: usize = 4;
+
+/// The plan of one step. Its arrays are numpy views of the Rust buffers (no copy); each view
+/// keeps the plan alive, and the buffers go back to the manager for reuse only when the plan
+/// and every view of it are gone. (Views are not cached on the plan: that would be a reference
+/// cycle.)
 #[pyclass(frozen, module = "pagedkv._core")]
 struct Plan {
     raw: Mutex<core::Plan>,
-    arrays: [PyOnceLock<Py<PyAny>>; 7],
+    pool: PlanPool,
     #[pyo3(get)]
     batch_size: usize,
     #[pyo3(get)]
@@ -372,44 +415,59 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(plan: core::Plan, block_size: u32) -> Plan {
+    fn new(plan: core::Plan, block_size: u32, pool: PlanPool) -> Plan {
         Plan {
             batch_size: plan.batch_size(),
             num_query_tokens: plan.num_query_tokens(),
             block_size,
             raw: Mutex::new(plan),
-            arrays: std::array::from_fn(|_| PyOnceLock::new()),
+            pool,
         }
     }
 
-    /// Moves field `index` of the Rust plan into a numpy array, once.
-    fn array(&self, py: Python<'_>, index: usize) -> Py<PyAny> {
-        self.arrays[index]
-            .get_or_init(py, || {
-                let mut raw = self.raw.lock().unwrap_or_else(|p| p.into_inner());
-                let field = match index {
-                    0 => &mut raw.kv_indptr,
-                    1 => &mut raw.kv_indices,
-                    2 => &mut raw.kv_last_page_len,
-                    3 => &mut raw.qo_indptr,
-                    4 => &mut raw.slot_mapping,
-                    5 => &mut raw.positions,
-                    _ => &mut raw.block_tables,
-                };
-                let values = std::mem::take(field);
-                if index == 6 {
-                    let rows = self.batch_size;
-                    let cols = raw.max_blocks;
-                    Array2::from_shape_vec((rows, cols), values)
-                        .expect("rows * cols values")
-                        .into_pyarray(py)
-                        .into_any()
-                        .unbind()
-                } else {
-                    PyArray1::from_vec(py, values).into_any().unbind()
-                }
-            })
-            .clone_ref(py)
+    /// A numpy view of field `index` of the Rust plan.
+    fn array(this: &Bound<'_, Self>, index: usize) -> Py<PyAny> {
+        let plan = this.get();
+        let mut raw = plan.raw.lock().unwrap_or_else(|p| p.into_inner());
+        let rows = plan.batch_size;
+        let cols = raw.max_blocks;
+        let container = this.clone().into_any();
+        let field = match index {
+            0 => &mut raw.kv_indptr,
+            1 => &mut raw.kv_indices,
+            2 => &mut raw.kv_last_page_len,
+            3 => &mut raw.qo_indptr,
+            4 => &mut raw.slot_mapping,
+            5 => &mut raw.positions,
+            _ => &mut raw.block_tables,
+        };
+        // SAFETY: the array's base is this plan, which owns the buffer and never resizes or
+        // frees it while alive (it hands it back to the pool in `Drop`, when no view is left).
+        // The view comes from a mutable borrow, so numpy may write through it.
+        unsafe {
+            if index == 6 {
+                let view = ArrayViewMut2::from_shape((rows, cols), &mut field[..])
+                    .expect("rows * cols values");
+                PyArray2::borrow_from_array(&view, container)
+                    .into_any()
+                    .unbind()
+            } else {
+                let view = ArrayViewMut1::from(&mut field[..]);
+                PyArray1::borrow_from_array(&view, container)
+                    .into_any()
+                    .unbind()
+            }
+        }
+    }
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        let raw = std::mem::take(self.raw.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let mut spare = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < SPARE_PLANS {
+            spare.push(raw);
+        }
     }
 }
 
@@ -417,38 +475,38 @@ impl Plan {
 impl Plan {
     /// `[B + 1]` int32 offsets into `kv_indices`.
     #[getter]
-    fn kv_indptr(&self, py: Python<'_>) -> Py<PyAny> {
-        self.array(py, 0)
+    fn kv_indptr(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, 0)
     }
     /// `[nnz]` int32 physical blocks of the batch, concatenated.
     #[getter]
-    fn kv_indices(&self, py: Python<'_>) -> Py<PyAny> {
-        self.array(py, 1)
+    fn kv_indices(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, 1)
     }
     /// `[B]` int32 tokens in each sequence's last block.
     #[getter]
-    fn kv_last_page_len(&self, py: Python<'_>) -> Py<PyAny> {
-        self.array(py, 2)
+    fn kv_last_page_len(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, 2)
     }
     /// `[B + 1]` int32 offsets of each sequence's query tokens.
     #[getter]
-    fn qo_indptr(&self, py: Python<'_>) -> Py<PyAny> {
-        self.array(py, 3)
+    fn qo_indptr(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, 3)
     }
     /// `[num_query_tokens]` int32 KV slot of each new token.
     #[getter]
-    fn slot_mapping(&self, py: Python<'_>) -> Py<PyAny> {
-        self.array(py, 4)
+    fn slot_mapping(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, 4)
     }
     /// `[num_query_tokens]` int32 position of each new token.
     #[getter]
-    fn positions(&self, py: Python<'_>) -> Py<PyAny> {
-        self.array(py, 5)
+    fn positions(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, 5)
     }
     /// `[B, max_blocks]` int32 block tables padded with -1.
     #[getter]
-    fn block_tables(&self, py: Python<'_>) -> Py<PyAny> {
-        self.array(py, 6)
+    fn block_tables(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, 6)
     }
 
     fn __repr__(&self) -> String {
