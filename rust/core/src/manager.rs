@@ -238,8 +238,22 @@ impl BlockManager {
     }
 
     /// One decode step: appends `tokens[i]` to `seqs[i]` for the whole batch (all or nothing),
-    /// then writes the plan for one query token per sequence into `plan`.
+    /// then writes the plan for one query token per sequence into `plan`. On an error `plan`
+    /// is left empty.
     pub fn step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
+        self.fill_step(seqs, tokens, plan)
+            .inspect_err(|_| plan.begin(0, 0, 0))
+    }
+
+    /// Writes the plan for any batch into `plan`: sequence `seqs[i]`'s last `query_lens[i]`
+    /// tokens are the queries (prefill, chunked prefill, decode or a mix). On an error `plan` is
+    /// left empty.
+    pub fn plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
+        self.fill_plan(seqs, query_lens, plan)
+            .inspect_err(|_| plan.begin(0, 0, 0))
+    }
+
+    fn fill_step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
         if seqs.len() != tokens.len() {
             return Err(invalid(format!(
                 "step got {} sequences but {} tokens",
@@ -271,10 +285,7 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Writes the plan for any batch into `plan`: sequence `seqs[i]`'s last `query_lens[i]`
-    /// tokens are the queries (prefill, chunked prefill, decode or a mix). On an error `plan` is
-    /// left empty.
-    pub fn plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
+    fn fill_plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
         if seqs.len() != query_lens.len() {
             return Err(invalid(format!(
                 "plan got {} sequences but {} query lengths",
@@ -290,20 +301,13 @@ impl BlockManager {
             plan.positions.capacity(),
         );
         for (&id, &q) in seqs.iter().zip(query_lens) {
-            let s = match visit(&mut batch, id, stamp, false) {
-                Ok(s) if q >= 1 && q as usize <= s.tokens.len() => s,
-                Ok(s) => {
-                    let len = s.tokens.len();
-                    plan.begin(0, 0, 0);
-                    return Err(invalid(format!(
-                        "query length {q} of sequence {id} must be in 1..={len}"
-                    )));
-                }
-                Err(e) => {
-                    plan.begin(0, 0, 0);
-                    return Err(e);
-                }
-            };
+            let s = visit(&mut batch, id, stamp, false)?;
+            if q == 0 || q as usize > s.tokens.len() {
+                return Err(invalid(format!(
+                    "query length {q} of sequence {id} must be in 1..={}",
+                    s.tokens.len()
+                )));
+            }
             plan.push(&s.table, s.tokens.len(), q as usize, self.bs);
         }
         plan.finish();
@@ -852,4 +856,45 @@ fn visit<'b>(
     }
     s.stamp = stamp;
     Ok(s)
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_is_validated() {
+        let bad = |edit: fn(&mut Config)| {
+            let mut config = Config::new(8, 4);
+            edit(&mut config);
+            matches!(BlockManager::new(config), Err(Error::InvalidArgument(_)))
+        };
+        assert!(bad(|c| c.num_blocks = 0));
+        assert!(bad(|c| c.block_size = 0));
+        assert!(bad(|c| c.watermark = 1.0));
+        assert!(bad(|c| c.watermark = f64::NAN));
+        assert!(bad(|c| c.num_blocks = u32::MAX / 2));
+        assert!(bad(|c| c.num_cpu_blocks = u32::MAX / 2));
+        assert!(BlockManager::new(Config::new(8, 4)).is_ok());
+    }
+
+    #[test]
+    fn a_failed_plan_leaves_it_empty() {
+        let mgr = BlockManager::new(Config::new(8, 4)).unwrap();
+        mgr.allocate(1, &[1, 2, 3], None).unwrap();
+        let mut plan = Plan::new();
+        mgr.plan(&[1], &[3], &mut plan).unwrap();
+        assert_eq!(plan.batch_size(), 1);
+        assert!(mgr.plan(&[1], &[4], &mut plan).is_err());
+        assert_eq!(plan.batch_size(), 0);
+        mgr.step(&[1], &[4], &mut plan).unwrap();
+        assert_eq!(plan.positions, vec![3]);
+        assert_eq!(
+            mgr.step(&[2], &[4], &mut plan),
+            Err(Error::UnknownSequence(2))
+        );
+        assert_eq!(plan.batch_size(), 0);
+        assert!(plan.block_tables.is_empty());
+        mgr.check().unwrap();
+    }
 }
