@@ -863,6 +863,12 @@ mod tests {
     use super::*;
 
     #[test]
+    fn manager_is_send_and_sync() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<BlockManager>();
+    }
+
+    #[test]
     fn config_is_validated() {
         let bad = |edit: fn(&mut Config)| {
             let mut config = Config::new(8, 4);
