@@ -1,6 +1,8 @@
 //! `BlockManager`: sequences, prefix reuse, copy-on-write, swapping and plans on top of the
 //! block pool. Exact semantics: `SEMANTICS.md` beside the crate.
 
+use std::collections::{HashMap, HashSet};
+
 use crate::block::{BlockSize, BlockState};
 use crate::error::{invalid, violated};
 use crate::events::{EventKind, EventLog};
@@ -295,11 +297,8 @@ impl BlockManager {
         }
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
-        plan.begin(
-            seqs.len(),
-            plan.kv_indices.capacity(),
-            plan.positions.capacity(),
-        );
+        // Sizes are unknown until the loop; a reused plan already has the room.
+        plan.begin(seqs.len(), 0, 0);
         for (&id, &q) in seqs.iter().zip(query_lens) {
             let s = visit(&mut batch, id, stamp, false)?;
             if q == 0 || q as usize > s.tokens.len() {
@@ -438,15 +437,17 @@ impl BlockManager {
     /// Drops every prefix-cache registration: CACHED blocks become FREE, held blocks stay
     /// held but are no longer shared with new prompts.
     pub fn reset_prefix_cache(&self) {
-        if let Some(prefix) = &self.prefix {
-            let mut shards = prefix.lock_all();
-            let registered: Vec<BlockId> =
-                shards.iter().flat_map(|s| s.values().copied()).collect();
-            self.gpu.clear_hashes(registered.into_iter());
-            for shard in &mut shards {
-                shard.clear();
-            }
+        let Some(prefix) = &self.prefix else {
+            self.events.record(|| EventKind::AllBlocksCleared);
+            return;
+        };
+        let mut shards = prefix.lock_all();
+        let registered: Vec<BlockId> = shards.iter().flat_map(|s| s.values().copied()).collect();
+        self.gpu.clear_hashes(registered.into_iter());
+        for shard in &mut shards {
+            shard.clear();
         }
+        // Under the shard locks, so no registration's event can slip in before this one.
         self.events.record(|| EventKind::AllBlocksCleared);
     }
 
@@ -705,8 +706,9 @@ impl BlockManager {
         let bs = self.bs;
         let len = s.tokens.len();
         let mut used = 0;
-        // Only forks and swaps share a partial block, and both need the lock we hold, so the
-        // refcount can only have dropped since `blocks_to_append`.
+        // A partial block gains holders only through forks and swaps of sequences holding it,
+        // so one this sequence held alone in `blocks_to_append` is still private here: a copy
+        // is never taken without a reserved block.
         if self.must_copy_tail(s) {
             let last = s.table.last_mut().expect("a sequence has a block");
             let src = *last;
@@ -759,15 +761,12 @@ impl BlockManager {
     fn swap(&self, seqs: &[SeqId], to_gpu: bool) -> Result<Vec<[BlockId; 2]>, Error> {
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
+        // Distinct blocks in order of first appearance: a shared block is copied once.
         let mut order: Vec<BlockId> = Vec::new();
-        let mut seen = std::collections::HashMap::new();
+        let mut distinct = HashSet::new();
         for &id in seqs {
             let s = visit(&mut batch, id, stamp, to_gpu)?;
-            for &block in &s.table {
-                seen.entry(block).or_insert_with(|| {
-                    order.push(block);
-                });
-            }
+            order.extend(s.table.iter().filter(|&&block| distinct.insert(block)));
         }
         let (to, kind) = if to_gpu {
             (&self.gpu, PoolKind::Gpu)
@@ -780,18 +779,20 @@ impl BlockManager {
                 needed: order.len(),
                 available,
             })?;
-        let mut pairs = Vec::with_capacity(order.len());
-        let mut moved = std::collections::HashMap::with_capacity(order.len());
-        for &block in &order {
-            let target = if to_gpu {
-                self.take_fresh()
-            } else {
-                self.cpu.take_reserved().0
-            };
-            moved.insert(block, target);
-            pairs.push([block, target]);
-        }
-        let mut referenced = vec![false; to.num_blocks()];
+        let pairs: Vec<[BlockId; 2]> = order
+            .iter()
+            .map(|&block| {
+                let target = if to_gpu {
+                    self.take_fresh()
+                } else {
+                    self.cpu.take_reserved().0
+                };
+                [block, target]
+            })
+            .collect();
+        let target_of: HashMap<BlockId, BlockId> = pairs.iter().map(|&[b, t]| (b, t)).collect();
+        // Each target starts with one holder; every further reference adds one.
+        let mut referenced = HashSet::with_capacity(pairs.len());
         for &id in seqs {
             let s = batch.get(id).expect("validated above");
             let len = s.tokens.len();
@@ -803,8 +804,8 @@ impl BlockManager {
                 self.release_gpu_blocks(&s.table, len);
             }
             for (i, block) in s.table.iter_mut().enumerate() {
-                let target = moved[block];
-                if std::mem::replace(&mut referenced[target as usize], true) {
+                let target = target_of[block];
+                if !referenced.insert(target) {
                     to.share_held(target);
                 } else if to_gpu {
                     self.gpu.add_stored(self.bs.fill(i, len) as usize);
