@@ -37,8 +37,8 @@ python3 -m ruff format --check python tests benches examples
 python3 -m mypy
 python3 -m mypy.stubtest pagedkv._core
 
+step "benchmark smoke run (figures only; targets are reported, not enforced)"
+python3 benches/bench_step.py --quick
+
 step "python: pytest"
 python3 -m pytest -q
-
-step "benchmark smoke run"
-python3 benches/bench_step.py --quick
