@@ -170,6 +170,7 @@ impl BlockManager {
 
 #[pymethods]
 impl BlockManager {
+    /// A manager with every block free; see `pagedkv.BlockManager`.
     #[new]
     #[pyo3(signature = (num_blocks, block_size = 16, *, num_cpu_blocks = 0,
         enable_prefix_caching = true, watermark = 0.01, hash_key = None, enable_events = false))]
@@ -228,6 +229,7 @@ impl BlockManager {
         self.inner.config().num_cpu_blocks
     }
 
+    /// Admits a sequence with its prompt; returns the prompt tokens reused from the prefix cache.
     #[pyo3(signature = (seq_id, token_ids, *, salt = None))]
     fn allocate(
         &self,
@@ -245,6 +247,7 @@ impl BlockManager {
             .map_err(to_py)
     }
 
+    /// Whether the prompt would fit now while keeping the watermark free.
     #[pyo3(signature = (token_ids, *, salt = None))]
     fn can_allocate(
         &self,
@@ -256,11 +259,13 @@ impl BlockManager {
         Ok(py.detach(|| self.inner.can_allocate(&tokens, salt.as_deref())))
     }
 
+    /// Appends tokens to a sequence (copy-on-write of a shared last block).
     fn append(&self, seq_id: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let (id, tokens) = (self::seq_id(seq_id)?, self::token_ids(token_ids)?);
         self.inner.append(id, &tokens).map_err(to_py)
     }
 
+    /// One decode token per sequence, then the plan of that step.
     fn step(
         &self,
         py: Python<'_>,
@@ -274,6 +279,7 @@ impl BlockManager {
         Ok(self.hand_out(plan))
     }
 
+    /// The plan of any batch: each sequence's last `query_lens[i]` tokens are its queries.
     fn plan(
         &self,
         py: Python<'_>,
@@ -288,20 +294,24 @@ impl BlockManager {
         Ok(self.hand_out(plan))
     }
 
+    /// Makes `child_id` share all of `parent_id`'s blocks, copy-on-write.
     fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
         self.inner
             .fork(seq_id(parent_id)?, seq_id(child_id)?)
             .map_err(to_py)
     }
 
+    /// Ends a sequence and releases its blocks, last block first.
     fn free(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         self.inner.free(self::seq_id(seq_id)?).map_err(to_py)
     }
 
+    /// Pending copy-on-write `(src, dst)` pairs, int32 `[n, 2]`; apply before writing KV.
     fn take_copies<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i32>> {
         pairs(py, self.inner.take_copies())
     }
 
+    /// Moves sequences to the CPU pool; returns the `(gpu, cpu)` block pairs to copy.
     fn swap_out<'py>(
         &self,
         py: Python<'py>,
@@ -312,6 +322,7 @@ impl BlockManager {
         Ok(pairs(py, moved))
     }
 
+    /// Brings sequences back to the GPU pool; returns the `(cpu, gpu)` block pairs to copy.
     fn swap_in<'py>(
         &self,
         py: Python<'py>,
@@ -322,6 +333,7 @@ impl BlockManager {
         Ok(pairs(py, moved))
     }
 
+    /// The sequence's GPU block table, int32.
     fn block_table<'py>(
         &self,
         py: Python<'py>,
@@ -338,10 +350,12 @@ impl BlockManager {
             .into_pyarray(py))
     }
 
+    /// Number of tokens in the sequence.
     fn num_tokens(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         self.inner.num_tokens(self::seq_id(seq_id)?).map_err(to_py)
     }
 
+    /// The sequence's tokens, uint32.
     fn token_ids<'py>(
         &self,
         py: Python<'py>,
@@ -351,10 +365,12 @@ impl BlockManager {
         Ok(tokens.into_pyarray(py))
     }
 
+    /// Block counts, token usage and prefix-cache counters.
     fn stats(&self) -> Stats {
         Stats(self.inner.stats())
     }
 
+    /// Prefix-cache events since the last call (empty unless `enable_events`).
     fn take_events(&self) -> Vec<Event> {
         self.inner
             .take_events()
@@ -363,10 +379,12 @@ impl BlockManager {
             .collect()
     }
 
+    /// Drops every prefix-cache registration; cached blocks become free.
     fn reset_prefix_cache(&self) {
         self.inner.reset_prefix_cache()
     }
 
+    /// Verifies every invariant; raises RuntimeError naming the first violation.
     fn check(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.inner.check()).map_err(to_py)
     }
@@ -523,42 +541,52 @@ struct Stats(core::Stats);
 
 #[pymethods]
 impl Stats {
+    /// Blocks in the GPU pool.
     #[getter]
     fn num_blocks(&self) -> usize {
         self.0.num_blocks
     }
+    /// FREE blocks: unreferenced, not cached.
     #[getter]
     fn num_free(&self) -> usize {
         self.0.num_free
     }
+    /// CACHED blocks: unreferenced, kept for prefix reuse.
     #[getter]
     fn num_cached(&self) -> usize {
         self.0.num_cached
     }
+    /// HELD blocks: referenced by a sequence.
     #[getter]
     fn num_held(&self) -> usize {
         self.0.num_held
     }
+    /// `num_held / num_blocks`.
     #[getter]
     fn usage(&self) -> f64 {
         self.0.usage
     }
+    /// Stored tokens over the slots of held blocks.
     #[getter]
     fn token_usage(&self) -> f64 {
         self.0.token_usage
     }
+    /// Tokens stored in held blocks, each physical block once.
     #[getter]
     fn stored_tokens(&self) -> usize {
         self.0.stored_tokens
     }
+    /// Prompt tokens looked up in the prefix cache.
     #[getter]
     fn prefix_query_tokens(&self) -> u64 {
         self.0.prefix_query_tokens
     }
+    /// Prompt tokens served from the prefix cache.
     #[getter]
     fn prefix_hit_tokens(&self) -> u64 {
         self.0.prefix_hit_tokens
     }
+    /// Cached blocks evicted to make room.
     #[getter]
     fn evictions(&self) -> u64 {
         self.0.evictions
