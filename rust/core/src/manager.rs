@@ -163,7 +163,7 @@ impl BlockManager {
         }
         let bs = self.bs;
         let pages = bs.pages(tokens.len());
-        let found = loop {
+        let (found, table) = loop {
             let found = self.lookup(tokens, salt);
             let needed = pages - found.hits.len() + found.cached_hits;
             self.reserve_gpu(needed)?;
@@ -190,7 +190,6 @@ impl BlockManager {
             self.gpu.unreserve(needed - used);
             break (found, table);
         };
-        let (found, table) = found;
         let hit_blocks = found.hits.len();
         let mut sequence = Sequence {
             tokens: tokens.to_vec(),

@@ -47,14 +47,6 @@ impl Plan {
         self.positions.len()
     }
 
-    /// An empty plan with room for `batch_size` sequences, `nnz` pages and `num_query_tokens`
-    /// query tokens, so that filling it allocates nothing.
-    pub fn with_capacity(batch_size: usize, nnz: usize, num_query_tokens: usize) -> Plan {
-        let mut plan = Plan::new();
-        plan.begin(batch_size, nnz, num_query_tokens);
-        plan
-    }
-
     /// Clears the buffers for a batch of `batch_size` sequences and reserves room for `nnz`
     /// pages and `num_query_tokens` query tokens (more is fine, just slower).
     pub(crate) fn begin(&mut self, batch_size: usize, nnz: usize, num_query_tokens: usize) {
