@@ -1,8 +1,9 @@
-//! Prefix-cache events for KV-aware routers: what entered and left the cache, in order.
+//! Prefix-cache events for KV-aware routers: which computed blocks entered and left each tier
+//! (the GPU pool and the CPU swap pool), in order.
 
 use crate::prefix::BlockHash;
 use crate::sync::{lock, Mutex};
-use crate::Token;
+use crate::{BlockId, PoolKind, Token};
 
 /// One change of the prefix cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,7 +17,8 @@ pub struct Event {
 /// The kinds of prefix-cache change.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EventKind {
-    /// A full block was registered under `block_hash`.
+    /// A full block whose KV is computed now holds `block_hash` in `medium`: registered in the
+    /// GPU prefix cache, or copied to the CPU pool by a confirmed swap-out.
     BlockStored {
         /// The block's chained hash.
         block_hash: BlockHash,
@@ -24,13 +26,22 @@ pub enum EventKind {
         parent_hash: Option<BlockHash>,
         /// The block's tokens.
         token_ids: Vec<Token>,
+        /// The physical block in `medium`.
+        block_id: BlockId,
+        /// The tier: `Gpu` or `Cpu`.
+        medium: PoolKind,
     },
-    /// A cached block was evicted.
+    /// `medium` no longer holds `block_hash`: a cached GPU block was evicted, or the last CPU
+    /// copy of the hash left the CPU pool.
     BlockRemoved {
-        /// The hash it was registered under.
+        /// The hash it was stored under.
         block_hash: BlockHash,
+        /// The physical block in `medium`.
+        block_id: BlockId,
+        /// The tier: `Gpu` or `Cpu`.
+        medium: PoolKind,
     },
-    /// `reset_prefix_cache` dropped every registration.
+    /// `reset_prefix_cache` dropped every registration, in both tiers.
     AllBlocksCleared,
 }
 
@@ -47,6 +58,11 @@ impl EventLog {
             enabled,
             log: Mutex::new((0, Vec::new())),
         }
+    }
+
+    /// Whether events are recorded.
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
     }
 
     /// Records an event built by `kind` (not called at all when disabled).

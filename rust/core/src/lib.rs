@@ -30,6 +30,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod block;
+mod cpu_tier;
 mod error;
 mod events;
 mod free_list;

@@ -4,14 +4,15 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::block::{BlockSize, BlockState};
+use crate::cpu_tier::CpuTier;
 use crate::error::{invalid, violated};
 use crate::events::{EventKind, EventLog};
 use crate::plan::Plan;
 use crate::pool::{BlockPool, Hit, Released};
 use crate::prefix::{short, BlockHash, Chain, PrefixCache};
-use crate::sequence::{Batch, Sequence, SequenceMap};
+use crate::sequence::{Batch, PendingCopy, Sequence, SequenceMap};
 use crate::stats::{Counters, Stats};
-use crate::sync::{lock, AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
 
 /// The most tokens one sequence may hold: positions and slots are int32.
@@ -35,11 +36,16 @@ pub struct Config {
     pub hash_key: Option<[u8; 32]>,
     /// Record prefix-cache events for `take_events`.
     pub enable_events: bool,
+    /// A call that names a sequence (`step`, `plan`, `append`, `fork`, `swap_out`) first
+    /// commits that sequence's latest plan: right for an engine that runs each forward pass
+    /// before its next call. Engines that plan ahead of their forward passes turn it off and
+    /// call `commit`.
+    pub auto_commit: bool,
 }
 
 impl Config {
     /// `num_blocks` blocks of `block_size` tokens with the defaults: no CPU pool, prefix
-    /// caching on, watermark 0.01, random hash key, no events.
+    /// caching on, watermark 0.01, random hash key, no events, auto-commit.
     pub fn new(num_blocks: u32, block_size: u32) -> Config {
         Config {
             num_blocks,
@@ -49,6 +55,7 @@ impl Config {
             watermark: 0.01,
             hash_key: None,
             enable_events: false,
+            auto_commit: true,
         }
     }
 
@@ -82,6 +89,11 @@ impl Config {
 
 /// The paged KV-cache block manager. `Send + Sync`; every method takes `&self`, and different
 /// sequences may be driven from different threads at once.
+///
+/// KV lifecycle: a sequence's tokens are *pending* (assigned to slots) until the engine reports
+/// their KV *computed* (`commit`, or the next call naming the sequence with `auto_commit`).
+/// Only computed full blocks are registered in the prefix cache, copied by swaps or announced
+/// by events, so nothing is shared before its KV exists.
 pub struct BlockManager {
     config: Config,
     bs: BlockSize,
@@ -90,7 +102,7 @@ pub struct BlockManager {
     cpu: BlockPool,
     prefix: Option<PrefixCache>,
     seqs: SequenceMap,
-    copies: Mutex<Vec<[BlockId; 2]>>,
+    cpu_tier: CpuTier,
     events: EventLog,
     counters: Counters,
     stamps: AtomicU64,
@@ -132,7 +144,7 @@ impl BlockManager {
             cpu: BlockPool::new(config.num_cpu_blocks),
             prefix,
             seqs: SequenceMap::new(),
-            copies: Mutex::new(Vec::new()),
+            cpu_tier: CpuTier::default(),
             events: EventLog::new(config.enable_events),
             counters: Counters::default(),
             stamps: AtomicU64::new(0),
@@ -146,13 +158,65 @@ impl BlockManager {
     }
 
     /// Admits sequence `seq` with its prompt, reusing cached full blocks of the same prefix
-    /// (and `salt`); returns how many prompt tokens were reused.
+    /// (and `salt`); returns how many prompt tokens were reused. Their KV is computed; the rest
+    /// of the prompt is pending until a plan computes it.
     pub fn allocate(
         &self,
         seq: SeqId,
         tokens: &[Token],
         salt: Option<&[u8]>,
     ) -> Result<usize, Error> {
+        Ok(self.admit(seq, tokens, salt, None)?.0)
+    }
+
+    /// Admits `seq` like [`BlockManager::allocate`] when an external store holds more of the
+    /// prompt: the caller claims full blocks `0..loadable_blocks` exist on the GPU or in the
+    /// store. Returns the GPU-reused tokens `k * block_size` and the fresh GPU blocks for
+    /// logical blocks `k..k + n` to fill from the store (never covering the last token). Their
+    /// KV stays pending until [`BlockManager::confirm_loads`].
+    pub fn allocate_loading(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        loadable_blocks: usize,
+        salt: Option<&[u8]>,
+    ) -> Result<(usize, Vec<BlockId>), Error> {
+        self.admit(seq, tokens, salt, Some(loadable_blocks))
+    }
+
+    /// Confirms that the first `loaded` blocks handed out by `allocate_loading` hold their KV:
+    /// they become computed (and shareable); the rest stay pending, to be recomputed.
+    pub fn confirm_loads(&self, seq: SeqId, loaded: usize) -> Result<(), Error> {
+        let mut one = self.seqs.lock_one(seq);
+        let s = one.get().ok_or(Error::UnknownSequence(seq))?;
+        let Some((first, count)) = s.loading else {
+            return Err(invalid(format!(
+                "sequence {seq} has no external loads to confirm"
+            )));
+        };
+        if loaded > count {
+            return Err(invalid(format!(
+                "sequence {seq} was handed {count} blocks to load, not {loaded}"
+            )));
+        }
+        s.loading = None;
+        let upto = (first + loaded) * self.bs.get();
+        s.planned = s.planned.max(upto);
+        self.commit_to(s, upto);
+        let hit = (loaded * self.bs.get()) as u64;
+        Counters::add(&self.counters.external_hit_tokens, hit);
+        Counters::add(&self.counters.prefix_hit_tokens, hit);
+        Counters::add(&self.counters.external_failures, (count - loaded) as u64);
+        Ok(())
+    }
+
+    fn admit(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+        loadable: Option<usize>,
+    ) -> Result<(usize, Vec<BlockId>), Error> {
         if tokens.is_empty() {
             return Err(invalid("allocate needs at least one token"));
         }
@@ -191,22 +255,40 @@ impl BlockManager {
             break (found, table);
         };
         let hit_blocks = found.hits.len();
-        let mut sequence = Sequence {
-            tokens: tokens.to_vec(),
-            table,
-            hashes: found.hashes,
-            root: found.root,
-            swapped: false,
-            shared_tail: false,
-            stamp: 0,
-        };
         let reused = hit_blocks * bs.get();
+        let hittable = bs.index(tokens.len() - 1);
+        let loads = match loadable {
+            Some(until) if self.prefix.is_some() => until.min(hittable).saturating_sub(hit_blocks),
+            _ => 0,
+        };
+        let load_blocks = table[hit_blocks..hit_blocks + loads].to_vec();
+        let mut sequence = Sequence::new(
+            tokens.to_vec(),
+            table,
+            found.hashes,
+            found.root,
+            reused,
+            hit_blocks,
+        );
+        if loads > 0 {
+            sequence.loading = Some((hit_blocks, loads));
+        }
+        if loadable.is_some() {
+            Counters::add(
+                &self.counters.external_query_tokens,
+                ((hittable.saturating_sub(hit_blocks)) * bs.get()) as u64,
+            );
+        }
         self.gpu.add_stored(tokens.len() - reused);
-        self.register_full(&mut sequence, hit_blocks..bs.index(tokens.len()));
+        Counters::add(&self.counters.computed_tokens, reused as u64);
+        Counters::add(
+            &self.counters.pending_tokens,
+            (tokens.len() - reused) as u64,
+        );
         Counters::add(&self.counters.prefix_query_tokens, tokens.len() as u64);
         Counters::add(&self.counters.prefix_hit_tokens, reused as u64);
         one.insert(sequence);
-        Ok(reused)
+        Ok((reused, load_blocks))
     }
 
     /// Whether a prompt could be admitted now while keeping the watermark in reserve.
@@ -219,7 +301,43 @@ impl BlockManager {
         self.gpu.available() >= needed + self.watermark_blocks
     }
 
-    /// Appends tokens to a running sequence, copying a shared last block on write.
+    /// How many leading full blocks of the prompt the GPU prefix cache holds now (read-only; a
+    /// hit never covers the last token).
+    pub fn cached_prefix_blocks(&self, tokens: &[Token], salt: Option<&[u8]>) -> usize {
+        if tokens.is_empty() || tokens.len() > MAX_TOKENS {
+            return 0;
+        }
+        self.lookup(tokens, salt).hits.len()
+    }
+
+    /// The chained hashes of the prompt's full blocks (the values events carry).
+    pub fn block_hashes(
+        &self,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+    ) -> Result<Vec<BlockHash>, Error> {
+        let prefix = self
+            .prefix
+            .as_ref()
+            .ok_or_else(|| invalid("block hashes need prefix caching"))?;
+        let mut parent = prefix.root(salt);
+        Ok(tokens
+            .chunks_exact(self.bs.get())
+            .map(|block| {
+                parent = prefix.hash_block(&parent, block);
+                short(&parent)
+            })
+            .collect())
+    }
+
+    /// A 64-bit fingerprint of the hash key (`None` without prefix caching): managers with the
+    /// same fingerprint, block size and salt produce the same block hashes.
+    pub fn hash_key_fingerprint(&self) -> Option<u64> {
+        self.prefix.as_ref().map(PrefixCache::fingerprint)
+    }
+
+    /// Appends tokens to a running sequence, copying a shared last block on write. The tokens'
+    /// KV is pending until a plan computes it; the copy comes back with that plan.
     pub fn append(&self, seq: SeqId, tokens: &[Token]) -> Result<(), Error> {
         if tokens.is_empty() {
             return Err(invalid("append needs at least one token"));
@@ -229,12 +347,15 @@ impl BlockManager {
         if s.swapped {
             return Err(Error::SwappedOut(seq));
         }
+        not_loading(seq, s)?;
         check_room(s.tokens.len(), tokens.len())?;
+        self.auto_commit(s);
         let needed = self.blocks_to_append(s, tokens.len());
         self.reserve_gpu(needed)?;
         let used = self.append_reserved(s, tokens);
         self.gpu.unreserve(needed - used);
         self.gpu.add_stored(tokens.len());
+        Counters::add(&self.counters.pending_tokens, tokens.len() as u64);
         Ok(())
     }
 
@@ -254,6 +375,47 @@ impl BlockManager {
             .inspect_err(|_| plan.begin(0, 0, 0))
     }
 
+    /// Confirms the engine's forward passes: each sequence's KV is computed up to `upto[i]`
+    /// tokens (`None`: up to the end of its latest plan). Copies that plans carried are done,
+    /// and newly computed full blocks become shareable. Counts may not exceed what was planned;
+    /// counts below what is already computed change nothing.
+    pub fn commit(&self, seqs: &[SeqId], upto: Option<&[usize]>) -> Result<(), Error> {
+        if let Some(upto) = upto {
+            if upto.len() != seqs.len() {
+                return Err(invalid(format!(
+                    "commit got {} sequences but {} token counts",
+                    seqs.len(),
+                    upto.len()
+                )));
+            }
+        }
+        let stamp = self.next_stamp();
+        let mut batch = self.seqs.lock(seqs);
+        for (b, &id) in seqs.iter().enumerate() {
+            let s = visit(&mut batch, id, stamp, false)?;
+            if let Some(n) = upto.map(|u| u[b]) {
+                if n > s.planned {
+                    return Err(invalid(format!(
+                        "sequence {id}: cannot commit {n} tokens, only {} are planned",
+                        s.planned
+                    )));
+                }
+            }
+        }
+        for (b, &id) in seqs.iter().enumerate() {
+            let s = batch.get(id).expect("validated above");
+            let n = upto.map_or(s.planned, |u| u[b]);
+            self.commit_to(s, n);
+        }
+        Ok(())
+    }
+
+    /// Tokens of the sequence whose KV is computed.
+    pub fn num_computed(&self, seq: SeqId) -> Result<usize, Error> {
+        let mut one = self.seqs.lock_one(seq);
+        Ok(one.get().ok_or(Error::UnknownSequence(seq))?.computed)
+    }
+
     fn fill_step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
         if seqs.len() != tokens.len() {
             return Err(invalid(format!(
@@ -264,25 +426,32 @@ impl BlockManager {
         }
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
-        let mut needed = 0;
-        let mut max_blocks = 0;
+        let mut nnz = 0;
         for &id in seqs {
             let s = visit(&mut batch, id, stamp, false)?;
+            not_loading(id, s)?;
             check_room(s.tokens.len(), 1)?;
+            no_gap(id, s, s.tokens.len())?;
+            nnz += self.bs.pages(s.tokens.len() + 1);
+        }
+        let mut needed = 0;
+        for &id in seqs {
+            let s = batch.get(id).expect("validated above");
+            self.auto_commit(s);
             needed += self.blocks_to_append(s, 1);
-            max_blocks = max_blocks.max(self.bs.pages(s.tokens.len() + 1));
         }
         self.reserve_gpu(needed)?;
-        plan.begin(seqs.len(), seqs.len() * max_blocks, seqs.len());
+        plan.begin(seqs.len(), nnz, seqs.len());
         let mut used = 0;
         for (&id, &token) in seqs.iter().zip(tokens) {
             let s = batch.get(id).expect("validated above");
             used += self.append_reserved(s, &[token]);
-            plan.push(&s.table, s.tokens.len(), 1, self.bs);
+            self.plan_one(s, 1, plan);
         }
         plan.finish();
         self.gpu.unreserve(needed - used);
         self.gpu.add_stored(seqs.len());
+        Counters::add(&self.counters.pending_tokens, seqs.len() as u64);
         Ok(())
     }
 
@@ -296,23 +465,79 @@ impl BlockManager {
         }
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
-        // Sizes are unknown until the loop; a reused plan already has the room.
-        plan.begin(seqs.len(), 0, 0);
+        let (mut nnz, mut num_query_tokens) = (0, 0);
         for (&id, &q) in seqs.iter().zip(query_lens) {
             let s = visit(&mut batch, id, stamp, false)?;
-            if q == 0 || q as usize > s.tokens.len() {
+            not_loading(id, s)?;
+            let len = s.tokens.len();
+            if q == 0 || q as usize > len {
                 return Err(invalid(format!(
-                    "query length {q} of sequence {id} must be in 1..={}",
-                    s.tokens.len()
+                    "query length {q} of sequence {id} must be in 1..={len}"
                 )));
             }
-            plan.push(&s.table, s.tokens.len(), q as usize, self.bs);
+            no_gap(id, s, len - q as usize)?;
+            nnz += self.bs.pages(len);
+            num_query_tokens += q as usize;
+        }
+        plan.begin(seqs.len(), nnz, num_query_tokens);
+        for (&id, &q) in seqs.iter().zip(query_lens) {
+            let s = batch.get(id).expect("validated above");
+            self.auto_commit(s);
+            self.plan_one(s, q as usize, plan);
         }
         plan.finish();
         Ok(())
     }
 
-    /// Makes `child` a copy of `parent` that shares all its blocks (copy-on-write).
+    /// Adds a validated sequence's last `q` tokens to the plan, with the copies it must apply
+    /// first; the plan's forward pass computes the sequence's KV up to its end.
+    fn plan_one(&self, s: &mut Sequence, q: usize, plan: &mut Plan) {
+        let len = s.tokens.len();
+        plan.push(&s.table, len, q, self.bs);
+        for mut copy in s.copies.drain(..) {
+            plan.push_copy(copy.src, copy.dst);
+            copy.until = len;
+            s.copying.push(copy);
+        }
+        s.planned = len;
+    }
+
+    /// With `auto_commit`, a call naming a sequence first commits its latest plan.
+    fn auto_commit(&self, s: &mut Sequence) {
+        if self.config.auto_commit {
+            self.commit_to(s, s.planned);
+        }
+    }
+
+    /// Marks the sequence's KV computed up to `upto` (at most `planned`), completes the copies
+    /// of committed plans and registers the newly computed full blocks.
+    fn commit_to(&self, s: &mut Sequence, upto: usize) {
+        debug_assert!(upto <= s.planned);
+        if upto > s.computed {
+            let delta = (upto - s.computed) as u64;
+            s.computed = upto;
+            Counters::add(&self.counters.computed_tokens, delta);
+            Counters::sub(&self.counters.pending_tokens, delta);
+        }
+        if !s.copying.is_empty() {
+            let computed = s.computed;
+            s.copying.retain(|copy| {
+                let done = copy.until <= computed;
+                if done {
+                    self.gpu.release_block(copy.src, copy.fill);
+                }
+                !done
+            });
+        }
+        if !s.swapped && s.swap_source.is_none() && s.loading.is_none() {
+            let computed_blocks = self.bs.index(s.computed);
+            self.register_full(s, computed_blocks);
+        }
+    }
+
+    /// Makes `child` a copy of `parent` that shares all its blocks (copy-on-write). The
+    /// parent's KV must be computed (after its auto-commit), so shared blocks never hold
+    /// pending tokens.
     pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<(), Error> {
         let mut batch = self.seqs.lock(&[parent, child]);
         let p = batch.get(parent).ok_or(Error::UnknownSequence(parent))?;
@@ -323,46 +548,90 @@ impl BlockManager {
             return Err(Error::DuplicateSequence(child));
         }
         let p = batch.get(parent).expect("checked above");
+        not_loading(parent, p)?;
+        if p.swap_in_pending() {
+            return Err(invalid(format!(
+                "sequence {parent}: confirm its swap-in before forking it"
+            )));
+        }
+        self.auto_commit(p);
+        if p.computed != p.tokens.len() {
+            return Err(invalid(format!(
+                "sequence {parent}: only {} of its {} tokens have computed KV; commit its forward \
+                 pass before forking it",
+                p.computed,
+                p.tokens.len()
+            )));
+        }
         p.shared_tail = true;
-        let mut copy = p.clone();
-        copy.stamp = 0;
+        let mut copy = Sequence::new(
+            p.tokens.clone(),
+            p.table.clone(),
+            p.hashes.clone(),
+            p.root,
+            p.computed,
+            p.registered,
+        );
+        copy.shared_tail = true;
         for &block in &copy.table {
             self.gpu.share_held(block);
         }
+        Counters::add(&self.counters.computed_tokens, copy.computed as u64);
         batch.insert(child, copy);
         Ok(())
     }
 
-    /// Ends a sequence and releases its blocks, last block first.
+    /// Ends a sequence and releases its blocks, last block first, then the sources of its
+    /// unconfirmed swap and copies. Its uncommitted KV is never registered.
     pub fn free(&self, seq: SeqId) -> Result<(), Error> {
         // Hold the shard until the blocks are released, so `check` never sees them orphaned.
         let mut one = self.seqs.lock_one(seq);
         let s = one.remove().ok_or(Error::UnknownSequence(seq))?;
+        let len = s.tokens.len();
         if s.swapped {
-            for &block in s.table.iter().rev() {
-                self.cpu.release_block(block, 0);
-            }
+            self.release_cpu_blocks(&s.table);
         } else {
-            self.release_gpu_blocks(&s.table, s.tokens.len());
+            self.release_gpu_blocks(&s.table, len);
         }
+        match &s.swap_source {
+            Some(gpu) if s.swapped => self.release_gpu_blocks(gpu, len),
+            Some(cpu) => self.release_cpu_blocks(cpu),
+            None => {}
+        }
+        for copy in s.copies.iter().chain(&s.copying) {
+            self.gpu.release_block(copy.src, copy.fill);
+        }
+        if let Some((_, count)) = s.loading {
+            Counters::add(&self.counters.external_failures, count as u64);
+        }
+        Counters::sub(&self.counters.computed_tokens, s.computed as u64);
+        Counters::sub(&self.counters.pending_tokens, (len - s.computed) as u64);
         Ok(())
     }
 
-    /// Removes and returns the pending copy-on-write pairs `[src, dst]`, oldest first. Apply them
-    /// to the KV tensors before writing the step's new KV.
-    pub fn take_copies(&self) -> Vec<[BlockId; 2]> {
-        std::mem::take(&mut *lock(&self.copies))
-    }
-
     /// Moves the sequences to the CPU pool; returns the `[gpu, cpu]` block pairs to copy (a
-    /// block shared by several of them is copied once).
+    /// block shared by several of them is copied once). The GPU blocks stay held until
+    /// [`BlockManager::confirm_swap_out`] says the copy ran.
     pub fn swap_out(&self, seqs: &[SeqId]) -> Result<Vec<[BlockId; 2]>, Error> {
         self.swap(seqs, false)
     }
 
-    /// Brings swapped-out sequences back to the GPU pool; returns the `[cpu, gpu]` pairs.
+    /// Brings swapped-out sequences back to the GPU pool; returns the `[cpu, gpu]` pairs. The
+    /// CPU blocks stay held, and the GPU blocks unshared, until
+    /// [`BlockManager::confirm_swap_in`] says the copy ran.
     pub fn swap_in(&self, seqs: &[SeqId]) -> Result<Vec<[BlockId; 2]>, Error> {
         self.swap(seqs, true)
+    }
+
+    /// The engine copied the pairs of `swap_out(seqs)`: their GPU blocks are released.
+    pub fn confirm_swap_out(&self, seqs: &[SeqId]) -> Result<(), Error> {
+        self.confirm_swap(seqs, false)
+    }
+
+    /// The engine copied the pairs of `swap_in(seqs)`: their CPU blocks are released and
+    /// their computed full blocks become shareable.
+    pub fn confirm_swap_in(&self, seqs: &[SeqId]) -> Result<(), Error> {
+        self.confirm_swap(seqs, true)
     }
 
     /// The sequence's GPU block table.
@@ -425,6 +694,11 @@ impl BlockManager {
             prefix_query_tokens: Counters::get(&self.counters.prefix_query_tokens),
             prefix_hit_tokens: Counters::get(&self.counters.prefix_hit_tokens),
             evictions: Counters::get(&self.counters.evictions),
+            computed_tokens: Counters::get(&self.counters.computed_tokens),
+            pending_tokens: Counters::get(&self.counters.pending_tokens),
+            external_query_tokens: Counters::get(&self.counters.external_query_tokens),
+            external_hit_tokens: Counters::get(&self.counters.external_hit_tokens),
+            external_failures: Counters::get(&self.counters.external_failures),
         }
     }
 
@@ -434,12 +708,13 @@ impl BlockManager {
     }
 
     /// Drops every prefix-cache registration: CACHED blocks become FREE, held blocks stay
-    /// held but are no longer shared with new prompts.
+    /// held but are no longer shared with new prompts; the CPU tier is no longer announced.
     pub fn reset_prefix_cache(&self) {
         let Some(prefix) = &self.prefix else {
             self.events.record(|| EventKind::AllBlocksCleared);
             return;
         };
+        self.cpu_tier.clear();
         let mut shards = prefix.lock_all();
         let registered: Vec<BlockId> = shards.iter().flat_map(|s| s.values().copied()).collect();
         self.gpu.clear_hashes(registered.into_iter());
@@ -451,7 +726,8 @@ impl BlockManager {
     }
 
     /// Verifies every invariant (block counts, refcount == holders, free list and cache
-    /// membership, prefix map <-> hashed blocks, token counts); reports the first violation.
+    /// membership, prefix map <-> hashed blocks, token counts, the KV lifecycle); reports the
+    /// first violation.
     pub fn check(&self) -> Result<(), Error> {
         let batch = self.seqs.lock_all();
         let shards = self.prefix.as_ref().map(|p| p.lock_all());
@@ -461,15 +737,42 @@ impl BlockManager {
         let mut gpu_refs = vec![0u32; gpu.states.len()];
         let mut gpu_fill = vec![0u32; gpu.states.len()];
         let mut cpu_refs = vec![0u32; cpu.states.len()];
+        let (mut computed_tokens, mut pending_tokens) = (0u64, 0u64);
         for (&id, s) in batch.iter() {
             let len = s.tokens.len();
             let err = |msg: String| Error::InvariantViolated(format!("sequence {id}: {msg}"));
             if s.table.len() != bs.pages(len) {
                 return Err(err(format!("{} blocks for {len} tokens", s.table.len())));
             }
-            if self.prefix.is_some() && s.hashes.len() != bs.index(len) {
+            if !(s.computed <= s.planned && s.planned <= len) {
+                return Err(err(format!(
+                    "computed {} <= planned {} <= {len} tokens fails",
+                    s.computed, s.planned
+                )));
+            }
+            if s.registered > bs.index(s.computed) {
+                return Err(err(format!(
+                    "{} blocks registered but only {} tokens computed",
+                    s.registered, s.computed
+                )));
+            }
+            if self.prefix.is_some()
+                && !(s.registered <= s.hashes.len() && s.hashes.len() <= bs.index(len))
+            {
                 return Err(err(format!("{} hashes for {len} tokens", s.hashes.len())));
             }
+            if s.swapped
+                && (s.planned != s.computed || !s.copies.is_empty() || !s.copying.is_empty())
+            {
+                return Err(err("swapped out with a plan or a copy in flight".into()));
+            }
+            if let Some((first, _)) = s.loading {
+                if s.computed != first * bs.get() || s.planned != s.computed {
+                    return Err(err("planned or computed past its external loads".into()));
+                }
+            }
+            computed_tokens += s.computed as u64;
+            pending_tokens += (len - s.computed) as u64;
             let tail = *s.table.last().expect("a sequence has a block");
             let private_tail = s.swapped || s.shared_tail || bs.offset(len) == 0;
             if !private_tail && gpu.states[tail as usize].refcount() != 1 {
@@ -477,32 +780,61 @@ impl BlockManager {
                     "partial last block {tail} shared but not marked"
                 )));
             }
-            for (i, &block) in s.table.iter().enumerate() {
-                let refs = if s.swapped {
-                    &mut cpu_refs
-                } else {
-                    &mut gpu_refs
-                };
+            let mut hold = |refs: &mut Vec<u32>, block: BlockId, fill: Option<u32>| {
                 let Some(count) = refs.get_mut(block as usize) else {
                     return Err(err(format!("block {block} out of range")));
                 };
                 *count += 1;
-                if s.swapped {
-                    continue;
-                }
-                let fill = bs.fill(i, len);
-                if std::mem::replace(&mut gpu_fill[block as usize], fill) != fill && *count > 1 {
-                    return Err(err(format!(
-                        "holders of block {block} disagree on its tokens"
-                    )));
-                }
-                if let Some(prefix) = &self.prefix {
-                    if gpu.states[block as usize].hashed()
-                        && prefix.hash_of(block) != short(&s.hashes[i])
-                    {
-                        return Err(err(format!("block {block} registered under another hash")));
+                if let Some(fill) = fill {
+                    let before = std::mem::replace(&mut gpu_fill[block as usize], fill);
+                    if before != fill && *count > 1 {
+                        return Err(err(format!(
+                            "holders of block {block} disagree on its tokens"
+                        )));
                     }
                 }
+                Ok(())
+            };
+            for (i, &block) in s.table.iter().enumerate() {
+                if s.swapped {
+                    hold(&mut cpu_refs, block, None)?;
+                    continue;
+                }
+                hold(&mut gpu_refs, block, Some(bs.fill(i, len)))?;
+                let state = gpu.states[block as usize];
+                if state.hashed() {
+                    if (i + 1) * bs.get() > s.computed || s.swap_in_pending() {
+                        return Err(err(format!(
+                            "block {block} is shared but its KV is not computed"
+                        )));
+                    }
+                    if let Some(prefix) = &self.prefix {
+                        if prefix.hash_of(block) != short(&s.hashes[i]) {
+                            return Err(err(format!(
+                                "block {block} registered under another hash"
+                            )));
+                        }
+                    }
+                }
+                if ((i + 1) * bs.get()).min(len) > s.computed && state.refcount() != 1 {
+                    return Err(err(format!("block {block} holds pending KV but is shared")));
+                }
+            }
+            match &s.swap_source {
+                Some(source) if s.swapped => {
+                    for (i, &block) in source.iter().enumerate() {
+                        hold(&mut gpu_refs, block, Some(bs.fill(i, len)))?;
+                    }
+                }
+                Some(source) => {
+                    for &block in source {
+                        hold(&mut cpu_refs, block, None)?;
+                    }
+                }
+                None => {}
+            }
+            for copy in s.copies.iter().chain(&s.copying) {
+                hold(&mut gpu_refs, copy.src, Some(copy.fill))?;
             }
         }
         for (pool, audit, refs) in [("GPU", &gpu, &gpu_refs), ("CPU", &cpu, &cpu_refs)] {
@@ -553,12 +885,33 @@ impl BlockManager {
                 )));
             }
         }
-        let stored: usize = gpu_fill.iter().map(|&f| f as usize).sum();
+        let stored: usize = gpu_fill
+            .iter()
+            .zip(&gpu_refs)
+            .filter(|(_, &refs)| refs > 0)
+            .map(|(&f, _)| f as usize)
+            .sum();
         if stored != gpu.stored_tokens {
             return Err(Error::InvariantViolated(format!(
                 "stored tokens {} but held blocks hold {stored}",
                 gpu.stored_tokens
             )));
+        }
+        for (name, counted, summed) in [
+            ("computed", &self.counters.computed_tokens, computed_tokens),
+            ("pending", &self.counters.pending_tokens, pending_tokens),
+        ] {
+            if Counters::get(counted) != summed {
+                return Err(Error::InvariantViolated(format!(
+                    "{name} tokens {} but the sequences hold {summed}",
+                    Counters::get(counted)
+                )));
+            }
+        }
+        for (block, _) in self.cpu_tier.blocks() {
+            if cpu_refs.get(block as usize).copied().unwrap_or(0) == 0 {
+                return Err(violated(block, "announced in the CPU tier but not held"));
+            }
         }
         let hashed = gpu.states.iter().filter(|s| s.hashed()).count();
         if let (Some(prefix), Some(shards)) = (&self.prefix, &shards) {
@@ -665,8 +1018,11 @@ impl BlockManager {
             if let Some(prefix) = &self.prefix {
                 let hash = prefix.hash_of(block);
                 prefix.unregister(block, hash, || {
-                    self.events
-                        .record(|| EventKind::BlockRemoved { block_hash: hash })
+                    self.events.record(|| EventKind::BlockRemoved {
+                        block_hash: hash,
+                        block_id: block,
+                        medium: PoolKind::Gpu,
+                    })
                 });
             }
             Counters::add(&self.counters.evictions, 1);
@@ -681,6 +1037,21 @@ impl BlockManager {
         }
     }
 
+    /// Releases a CPU block table, last block first; a freed block leaves the CPU tier.
+    fn release_cpu_blocks(&self, table: &[BlockId]) {
+        for &block in table.iter().rev() {
+            if self.cpu.release_block(block, 0) != Released::Held && self.events.enabled() {
+                self.cpu_tier.remove(block, |hash| {
+                    self.events.record(|| EventKind::BlockRemoved {
+                        block_hash: hash,
+                        block_id: block,
+                        medium: PoolKind::Cpu,
+                    })
+                });
+            }
+        }
+    }
+
     /// Blocks an append of `count` tokens takes: a copy-on-write of a shared partial last
     /// block, plus the new blocks.
     fn blocks_to_append(&self, s: &Sequence, count: usize) -> usize {
@@ -688,7 +1059,8 @@ impl BlockManager {
         usize::from(self.must_copy_tail(s)) + bs.pages(s.tokens.len() + count) - s.table.len()
     }
 
-    /// Whether the last block is partial and shared, so writing to it needs a private copy.
+    /// Whether the last block is partial and shared (by another sequence, or as the source of
+    /// a copy not yet done), so writing to it needs a private copy.
     fn must_copy_tail(&self, s: &Sequence) -> bool {
         s.shared_tail
             && self.bs.offset(s.tokens.len()) != 0
@@ -713,36 +1085,52 @@ impl BlockManager {
             let src = *last;
             let dst = self.take_fresh();
             used += 1;
-            lock(&self.copies).push([src, dst]);
+            let fill = bs.offset(len) as u32;
+            // The sequence's reference to `src` now belongs to the copy, until it is done.
+            s.copies.push(PendingCopy {
+                src,
+                dst,
+                fill,
+                until: 0,
+            });
             *last = dst;
-            let released = self.gpu.release_block(src, bs.offset(len) as u32);
-            debug_assert_eq!(released, Released::Held);
-            self.gpu.add_stored(bs.offset(len));
+            self.gpu.add_stored(fill as usize);
         }
         s.shared_tail = false;
         s.tokens.extend_from_slice(tokens);
-        let new_len = s.tokens.len();
-        let pages = bs.pages(new_len);
+        let pages = bs.pages(s.tokens.len());
         while s.table.len() < pages {
             s.table.push(self.take_fresh());
             used += 1;
         }
-        self.register_full(s, bs.index(len)..bs.index(new_len));
         used
     }
 
-    /// Registers the sequence's full blocks `range` in the prefix cache (hashing new ones).
-    fn register_full(&self, s: &mut Sequence, range: std::ops::Range<usize>) {
+    /// Hashes the sequence's full blocks `0..n` that are not hashed yet.
+    fn hash_blocks(&self, prefix: &PrefixCache, s: &mut Sequence, n: usize) {
+        let bs = self.bs.get();
+        while s.hashes.len() < n {
+            let i = s.hashes.len();
+            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
+            s.hashes
+                .push(prefix.hash_block(&parent, &s.tokens[i * bs..(i + 1) * bs]));
+        }
+    }
+
+    /// Registers the sequence's full blocks `registered..upto` (all computed) in the prefix
+    /// cache, in logical order.
+    fn register_full(&self, s: &mut Sequence, upto: usize) {
         let Some(prefix) = &self.prefix else {
             return;
         };
+        if s.registered >= upto {
+            return;
+        }
+        self.hash_blocks(prefix, s, upto);
         let bs = self.bs.get();
-        for i in range {
+        for i in s.registered..upto {
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            if i == s.hashes.len() {
-                s.hashes.push(prefix.hash_block(&parent, tokens));
-            }
             let (hash, parent) = (short(&s.hashes[i]), short(&parent));
             let block = s.table[i];
             prefix.register(block, hash, parent, tokens, || {
@@ -751,12 +1139,41 @@ impl BlockManager {
                     block_hash: hash,
                     parent_hash: (i > 0).then_some(parent),
                     token_ids: tokens.to_vec(),
+                    block_id: block,
+                    medium: PoolKind::Gpu,
                 });
+            });
+        }
+        s.registered = upto;
+    }
+
+    /// Announces a swapped-out sequence's computed full blocks in the CPU tier.
+    fn announce_cpu(&self, s: &mut Sequence) {
+        let Some(prefix) = &self.prefix else {
+            return;
+        };
+        if !self.events.enabled() {
+            return;
+        }
+        let bs = self.bs.get();
+        let full = self.bs.index(s.computed);
+        self.hash_blocks(prefix, s, full);
+        for i in 0..full {
+            let (block, hash) = (s.table[i], short(&s.hashes[i]));
+            self.cpu_tier.add(block, hash, || {
+                self.events.record(|| EventKind::BlockStored {
+                    block_hash: hash,
+                    parent_hash: (i > 0).then(|| short(&s.hashes[i - 1])),
+                    token_ids: s.tokens[i * bs..(i + 1) * bs].to_vec(),
+                    block_id: block,
+                    medium: PoolKind::Cpu,
+                })
             });
         }
     }
 
-    /// `swap_out` (`to_gpu == false`) and `swap_in` (`to_gpu == true`).
+    /// `swap_out` (`to_gpu == false`) and `swap_in` (`to_gpu == true`): the sequences move to
+    /// fresh blocks of the other pool; their old blocks stay held until the swap is confirmed.
     fn swap(&self, seqs: &[SeqId], to_gpu: bool) -> Result<Vec<[BlockId; 2]>, Error> {
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
@@ -765,7 +1182,28 @@ impl BlockManager {
         let mut distinct = HashSet::new();
         for &id in seqs {
             let s = visit(&mut batch, id, stamp, to_gpu)?;
+            if s.swap_source.is_some() {
+                let pending = if to_gpu { "swap-out" } else { "swap-in" };
+                return Err(invalid(format!(
+                    "sequence {id}: confirm its {pending} before swapping it again"
+                )));
+            }
+            if !to_gpu {
+                not_loading(id, s)?;
+                let in_flight =
+                    !self.config.auto_commit && (s.planned != s.computed || !s.copying.is_empty());
+                if in_flight || !s.copies.is_empty() {
+                    return Err(invalid(format!(
+                        "sequence {id}: plan and commit its pending work before swapping it out"
+                    )));
+                }
+            }
             order.extend(s.table.iter().filter(|&&block| distinct.insert(block)));
+        }
+        if !to_gpu {
+            for &id in seqs {
+                self.auto_commit(batch.get(id).expect("validated above"));
+            }
         }
         let (to, kind) = if to_gpu {
             (&self.gpu, PoolKind::Gpu)
@@ -795,13 +1233,7 @@ impl BlockManager {
         for &id in seqs {
             let s = batch.get(id).expect("validated above");
             let len = s.tokens.len();
-            if to_gpu {
-                for &block in s.table.iter().rev() {
-                    self.cpu.release_block(block, 0);
-                }
-            } else {
-                self.release_gpu_blocks(&s.table, len);
-            }
+            let source = s.table.clone();
             for (i, block) in s.table.iter_mut().enumerate() {
                 let target = target_of[block];
                 if !referenced.insert(target) {
@@ -811,18 +1243,41 @@ impl BlockManager {
                 }
                 *block = target;
             }
+            s.swap_source = Some(source);
             s.swapped = !to_gpu;
             // Sequences swapped together keep sharing the blocks they shared.
             s.shared_tail = true;
-        }
-        if to_gpu {
-            for &id in seqs {
-                let s = batch.get(id).expect("validated above");
-                let full = self.bs.index(s.tokens.len());
-                self.register_full(s, 0..full);
+            if to_gpu {
+                // Fresh blocks: registered again once the copy-in is confirmed.
+                s.registered = 0;
             }
         }
         Ok(pairs)
+    }
+
+    /// `confirm_swap_out` (`to_gpu == false`) and `confirm_swap_in` (`to_gpu == true`).
+    fn confirm_swap(&self, seqs: &[SeqId], to_gpu: bool) -> Result<(), Error> {
+        let stamp = self.next_stamp();
+        let mut batch = self.seqs.lock(seqs);
+        for &id in seqs {
+            let s = visit(&mut batch, id, stamp, !to_gpu)?;
+            if s.swap_source.is_none() {
+                let what = if to_gpu { "swap-in" } else { "swap-out" };
+                return Err(invalid(format!("sequence {id} has no {what} to confirm")));
+            }
+        }
+        for &id in seqs {
+            let s = batch.get(id).expect("validated above");
+            let source = s.swap_source.take().expect("validated above");
+            if to_gpu {
+                self.release_cpu_blocks(&source);
+                self.commit_to(s, s.computed);
+            } else {
+                self.release_gpu_blocks(&source, s.tokens.len());
+                self.announce_cpu(s);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -831,6 +1286,28 @@ fn check_room(len: usize, more: usize) -> Result<(), Error> {
     if len + more > MAX_TOKENS {
         return Err(invalid(format!(
             "a sequence holds at most {MAX_TOKENS} tokens ({len} + {more} asked)"
+        )));
+    }
+    Ok(())
+}
+
+/// Fails while the sequence waits for `confirm_loads`.
+fn not_loading(id: SeqId, s: &Sequence) -> Result<(), Error> {
+    if s.loading.is_some() {
+        return Err(invalid(format!(
+            "sequence {id}: confirm its external loads first"
+        )));
+    }
+    Ok(())
+}
+
+/// Fails if queries starting at `start` would skip tokens no plan has computed.
+fn no_gap(id: SeqId, s: &Sequence, start: usize) -> Result<(), Error> {
+    if start > s.planned {
+        return Err(invalid(format!(
+            "sequence {id}: its queries start at position {start}, but tokens {}..{start} were \
+             never planned; plan them first",
+            s.planned
         )));
     }
     Ok(())

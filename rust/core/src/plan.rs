@@ -29,6 +29,9 @@ pub struct Plan {
     pub block_tables: Vec<i32>,
     /// Columns of `block_tables`.
     pub max_blocks: usize,
+    /// `[n, 2]` row-major copy-on-write pairs `(src, dst)` this batch must apply to the KV
+    /// cache, in order, before its forward pass writes any KV.
+    pub copies: Vec<i32>,
 }
 
 impl Plan {
@@ -58,6 +61,7 @@ impl Plan {
             (&mut self.slot_mapping, num_query_tokens),
             (&mut self.positions, num_query_tokens),
             (&mut self.block_tables, 0),
+            (&mut self.copies, 0),
         ] {
             buffer.clear();
             buffer.reserve(len);
@@ -89,6 +93,16 @@ impl Plan {
         }
         self.qo_indptr.push(self.positions.len() as i32);
         self.max_blocks = self.max_blocks.max(pages);
+    }
+
+    /// Adds a copy-on-write pair the batch must apply first.
+    pub(crate) fn push_copy(&mut self, src: BlockId, dst: BlockId) {
+        self.copies.extend([src as i32, dst as i32]);
+    }
+
+    /// Number of copy-on-write pairs in `copies`.
+    pub fn num_copies(&self) -> usize {
+        self.copies.len() / 2
     }
 
     /// Builds the padded block tables from the pages, once every sequence is in.

@@ -99,6 +99,13 @@ impl PrefixCache {
         *hasher.finalize().as_bytes()
     }
 
+    /// A public 64-bit fingerprint of the key: equal for managers that hash alike, and reveals
+    /// nothing about the key itself (it is a keyed hash of a constant).
+    pub(crate) fn fingerprint(&self) -> u64 {
+        let digest = blake3::keyed_hash(&self.key, b"pagedkv/fingerprint");
+        u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
+    }
+
     /// The chaining value of one full block after `parent`.
     pub(crate) fn hash_block(&self, parent: &Chain, tokens: &[Token]) -> Chain {
         const CHUNK: usize = 64;

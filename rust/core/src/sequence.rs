@@ -11,13 +11,15 @@ use crate::{BlockId, SeqId, Token};
 
 const SHARDS: usize = 32;
 
-/// One sequence: its tokens, its block table and the hashes of its full blocks.
+/// One sequence: its tokens, its block table, the hashes of its full blocks and where its KV
+/// stands in the lifecycle (pending -> computed).
 #[derive(Clone, Debug)]
 pub(crate) struct Sequence {
     pub(crate) tokens: Vec<Token>,
     /// GPU block ids, or CPU block ids while `swapped`.
     pub(crate) table: Vec<BlockId>,
-    /// `hashes[i]` is the chaining value of full block `i` (empty without prefix caching).
+    /// `hashes[i]` is the chaining value of full block `i`, computed lazily (empty without
+    /// prefix caching); at least the registered blocks are hashed.
     pub(crate) hashes: Vec<Chain>,
     /// Chaining value before block 0 (binds the key and the salt).
     pub(crate) root: Chain,
@@ -27,6 +29,69 @@ pub(crate) struct Sequence {
     pub(crate) shared_tail: bool,
     /// The last batch that visited this sequence; detects repeats within one batch.
     pub(crate) stamp: u64,
+    /// Tokens `0..computed` have KV the engine confirmed.
+    pub(crate) computed: usize,
+    /// Tokens `0..planned` are computed or being computed by a handed-out plan
+    /// (`computed <= planned <= len`).
+    pub(crate) planned: usize,
+    /// Full blocks `0..registered` were offered to the prefix cache (all computed).
+    pub(crate) registered: usize,
+    /// Copy-on-write copies recorded by appends, not yet handed to a plan. This sequence holds
+    /// each source until the plan that applies the copy is committed.
+    pub(crate) copies: Vec<PendingCopy>,
+    /// Copies handed to a plan whose forward pass is not committed yet.
+    pub(crate) copying: Vec<PendingCopy>,
+    /// The other pool's table of a swap whose copy is not confirmed yet (still held): the GPU
+    /// blocks of a swap-out (while `swapped`) or the CPU blocks of a swap-in.
+    pub(crate) swap_source: Option<Vec<BlockId>>,
+    /// External loads handed out by `allocate_loading`: logical blocks `first..first + count`.
+    pub(crate) loading: Option<(usize, usize)>,
+}
+
+/// One copy-on-write copy a sequence still depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PendingCopy {
+    pub(crate) src: BlockId,
+    pub(crate) dst: BlockId,
+    /// Tokens of `src` the copy carries (its fill when copied).
+    pub(crate) fill: u32,
+    /// The copy is done once the sequence's KV is computed up to here (the end of the plan
+    /// that carried it).
+    pub(crate) until: usize,
+}
+
+impl Sequence {
+    /// A new sequence whose first `computed` tokens (whole blocks) already have KV.
+    pub(crate) fn new(
+        tokens: Vec<Token>,
+        table: Vec<BlockId>,
+        hashes: Vec<Chain>,
+        root: Chain,
+        computed: usize,
+        registered: usize,
+    ) -> Sequence {
+        Sequence {
+            tokens,
+            table,
+            hashes,
+            root,
+            swapped: false,
+            shared_tail: false,
+            stamp: 0,
+            computed,
+            planned: computed,
+            registered,
+            copies: Vec::new(),
+            copying: Vec::new(),
+            swap_source: None,
+            loading: None,
+        }
+    }
+
+    /// Whether a swap-in's copy is not confirmed yet: the GPU blocks hold no KV until it is.
+    pub(crate) fn swap_in_pending(&self) -> bool {
+        !self.swapped && self.swap_source.is_some()
+    }
 }
 
 /// Multiplicative hashing of sequence ids (callers often use consecutive ids).

@@ -25,6 +25,18 @@ pub struct Stats {
     pub prefix_hit_tokens: u64,
     /// CACHED blocks evicted to make room.
     pub evictions: u64,
+    /// Tokens of live sequences whose KV the engine has confirmed (per sequence: a token shared
+    /// by forks counts once for each).
+    pub computed_tokens: u64,
+    /// Tokens of live sequences assigned to slots whose KV is not confirmed yet (same counting).
+    pub pending_tokens: u64,
+    /// Prompt tokens after the GPU prefix hit that admissions looked up in an external store
+    /// (`allocate_loading`).
+    pub external_query_tokens: u64,
+    /// Tokens loaded from an external store and confirmed (also counted as prefix hits).
+    pub external_hit_tokens: u64,
+    /// Blocks handed out for an external load that was not confirmed (recomputed instead).
+    pub external_failures: u64,
 }
 
 /// Monotonic counters shared by all threads.
@@ -33,12 +45,22 @@ pub(crate) struct Counters {
     pub(crate) prefix_query_tokens: AtomicU64,
     pub(crate) prefix_hit_tokens: AtomicU64,
     pub(crate) evictions: AtomicU64,
+    pub(crate) computed_tokens: AtomicU64,
+    pub(crate) pending_tokens: AtomicU64,
+    pub(crate) external_query_tokens: AtomicU64,
+    pub(crate) external_hit_tokens: AtomicU64,
+    pub(crate) external_failures: AtomicU64,
 }
 
 impl Counters {
     /// Adds `n` to `counter`.
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Subtracts `n` from `counter` (a gauge that `add` raised before).
+    pub(crate) fn sub(counter: &AtomicU64, n: u64) {
+        counter.fetch_sub(n, Ordering::Relaxed);
     }
 
     /// Reads `counter`.

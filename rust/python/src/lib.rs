@@ -173,7 +173,9 @@ impl BlockManager {
     /// A manager with every block free; see `pagedkv.BlockManager`.
     #[new]
     #[pyo3(signature = (num_blocks, block_size = 16, *, num_cpu_blocks = 0,
-        enable_prefix_caching = true, watermark = 0.01, hash_key = None, enable_events = false))]
+        enable_prefix_caching = true, watermark = 0.01, hash_key = None, enable_events = false,
+        auto_commit = true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
         block_size: i64,
@@ -182,6 +184,7 @@ impl BlockManager {
         watermark: f64,
         hash_key: Option<&[u8]>,
         enable_events: bool,
+        auto_commit: bool,
     ) -> PyResult<Self> {
         let count = |name: &str, v: i64| {
             u32::try_from(v).map_err(|_| {
@@ -203,6 +206,7 @@ impl BlockManager {
             watermark,
             hash_key,
             enable_events,
+            auto_commit,
         };
         let inner = core::BlockManager::new(config).map_err(to_py)?;
         Ok(BlockManager {
@@ -245,6 +249,78 @@ impl BlockManager {
         );
         py.detach(|| self.inner.allocate(id, &tokens, salt.as_deref()))
             .map_err(to_py)
+    }
+
+    /// Admits a sequence whose prompt blocks `0..loadable_blocks` are on the GPU or in an
+    /// external store; returns the GPU-reused tokens and the int32 GPU blocks to load.
+    #[pyo3(signature = (seq_id, token_ids, loadable_blocks, *, salt = None))]
+    fn allocate_loading<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'py, PyAny>,
+        token_ids: &Bound<'py, PyAny>,
+        loadable_blocks: usize,
+        salt: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(usize, Bound<'py, PyArray1<i32>>)> {
+        let (id, tokens, salt) = (
+            self::seq_id(seq_id)?,
+            self::token_ids(token_ids)?,
+            salt_bytes(salt)?,
+        );
+        let (reused, blocks) = py
+            .detach(|| {
+                self.inner
+                    .allocate_loading(id, &tokens, loadable_blocks, salt.as_deref())
+            })
+            .map_err(to_py)?;
+        let blocks: Vec<i32> = blocks.into_iter().map(|b| b as i32).collect();
+        Ok((reused, blocks.into_pyarray(py)))
+    }
+
+    /// The first `num_loaded` blocks handed out by `allocate_loading` hold their KV now.
+    fn confirm_loads(&self, seq_id: &Bound<'_, PyAny>, num_loaded: usize) -> PyResult<()> {
+        self.inner
+            .confirm_loads(self::seq_id(seq_id)?, num_loaded)
+            .map_err(to_py)
+    }
+
+    /// The 128-bit chained hashes of the prompt's full blocks.
+    #[pyo3(signature = (token_ids, *, salt = None))]
+    fn block_hashes(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u128>> {
+        let (tokens, salt) = (self::token_ids(token_ids)?, salt_bytes(salt)?);
+        py.detach(|| self.inner.block_hashes(&tokens, salt.as_deref()))
+            .map_err(to_py)
+    }
+
+    /// Leading full blocks of the prompt the GPU prefix cache holds now.
+    #[pyo3(signature = (token_ids, *, salt = None))]
+    fn cached_prefix_blocks(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let (tokens, salt) = (self::token_ids(token_ids)?, salt_bytes(salt)?);
+        Ok(py.detach(|| self.inner.cached_prefix_blocks(&tokens, salt.as_deref())))
+    }
+
+    /// 16 hex digits identifying the hash key (None without prefix caching).
+    #[getter]
+    fn hash_key_fingerprint(&self) -> Option<String> {
+        self.inner
+            .hash_key_fingerprint()
+            .map(|f| format!("{f:016x}"))
+    }
+
+    /// Whether a call naming a sequence first commits its latest plan.
+    #[getter]
+    fn auto_commit(&self) -> bool {
+        self.inner.config().auto_commit
     }
 
     /// Whether the prompt would fit now while keeping the watermark free.
@@ -306,9 +382,43 @@ impl BlockManager {
         self.inner.free(self::seq_id(seq_id)?).map_err(to_py)
     }
 
-    /// Pending copy-on-write `(src, dst)` pairs, int32 `[n, 2]`; apply before writing KV.
-    fn take_copies<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i32>> {
-        pairs(py, self.inner.take_copies())
+    /// Confirms forward passes: KV computed up to each sequence's latest plan, or up to
+    /// `num_computed[i]` tokens.
+    #[pyo3(signature = (seq_ids, num_computed = None))]
+    fn commit(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        num_computed: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let ids = self::seq_ids(seq_ids)?;
+        let upto: Option<Vec<usize>> = num_computed
+            .map(|n| integers::<u64>(n, "token counts"))
+            .transpose()?
+            .map(|n| n.into_iter().map(|v| v as usize).collect());
+        py.detach(|| self.inner.commit(&ids, upto.as_deref()))
+            .map_err(to_py)
+    }
+
+    /// Tokens of the sequence whose KV is computed.
+    fn num_computed(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.inner
+            .num_computed(self::seq_id(seq_id)?)
+            .map_err(to_py)
+    }
+
+    /// The engine copied the pairs `swap_out` returned: release the GPU blocks.
+    fn confirm_swap_out(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = self::seq_ids(seq_ids)?;
+        py.detach(|| self.inner.confirm_swap_out(&ids))
+            .map_err(to_py)
+    }
+
+    /// The engine copied the pairs `swap_in` returned: release the CPU blocks.
+    fn confirm_swap_in(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = self::seq_ids(seq_ids)?;
+        py.detach(|| self.inner.confirm_swap_in(&ids))
+            .map_err(to_py)
     }
 
     /// Moves sequences to the CPU pool; returns the `(gpu, cpu)` block pairs to copy.
@@ -447,8 +557,11 @@ impl Plan {
     fn array(this: &Bound<'_, Self>, index: usize) -> Py<PyAny> {
         let plan = this.get();
         let mut raw = plan.raw.lock().unwrap_or_else(|p| p.into_inner());
-        let rows = plan.batch_size;
-        let cols = raw.max_blocks;
+        let (rows, cols) = if index == 7 {
+            (raw.num_copies(), 2)
+        } else {
+            (plan.batch_size, raw.max_blocks)
+        };
         let container = this.clone().into_any();
         let field = match index {
             0 => &mut raw.kv_indptr,
@@ -457,13 +570,15 @@ impl Plan {
             3 => &mut raw.qo_indptr,
             4 => &mut raw.slot_mapping,
             5 => &mut raw.positions,
-            _ => &mut raw.block_tables,
+            6 => &mut raw.block_tables,
+            _ => &mut raw.copies,
         };
+
         // SAFETY: the array's base is this plan, which owns the buffer and never resizes or
         // frees it while alive (it hands it back to the pool in `Drop`, when no view is left).
         // The view comes from a mutable borrow, so numpy may write through it.
         unsafe {
-            if index == 6 {
+            if index >= 6 {
                 let view = ArrayViewMut2::from_shape((rows, cols), &mut field[..])
                     .expect("rows * cols values");
                 PyArray2::borrow_from_array(&view, container)
@@ -525,6 +640,11 @@ impl Plan {
     #[getter]
     fn block_tables(this: &Bound<'_, Self>) -> Py<PyAny> {
         Plan::array(this, 6)
+    }
+    /// `[n, 2]` int32 copy-on-write `(src, dst)` pairs to apply before this step's forward pass.
+    #[getter]
+    fn copies(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, 7)
     }
 
     fn __repr__(&self) -> String {
@@ -591,13 +711,39 @@ impl Stats {
     fn evictions(&self) -> u64 {
         self.0.evictions
     }
+    /// Tokens of live sequences whose KV is computed (per sequence).
+    #[getter]
+    fn computed_tokens(&self) -> u64 {
+        self.0.computed_tokens
+    }
+    /// Tokens of live sequences whose KV is pending (per sequence).
+    #[getter]
+    fn pending_tokens(&self) -> u64 {
+        self.0.pending_tokens
+    }
+    /// Prompt tokens after the GPU hit looked up in an external store.
+    #[getter]
+    fn external_query_tokens(&self) -> u64 {
+        self.0.external_query_tokens
+    }
+    /// Tokens loaded from an external store and confirmed.
+    #[getter]
+    fn external_hit_tokens(&self) -> u64 {
+        self.0.external_hit_tokens
+    }
+    /// Blocks handed out for an external load that was not confirmed.
+    #[getter]
+    fn external_failures(&self) -> u64 {
+        self.0.external_failures
+    }
 
     fn __repr__(&self) -> String {
         let s = &self.0;
         format!(
             "Stats(num_blocks={}, num_free={}, num_cached={}, num_held={}, usage={:.4}, \
              token_usage={:.4}, stored_tokens={}, prefix_query_tokens={}, prefix_hit_tokens={}, \
-             evictions={})",
+             evictions={}, computed_tokens={}, pending_tokens={}, external_query_tokens={}, \
+             external_hit_tokens={}, external_failures={})",
             s.num_blocks,
             s.num_free,
             s.num_cached,
@@ -607,12 +753,17 @@ impl Stats {
             s.stored_tokens,
             s.prefix_query_tokens,
             s.prefix_hit_tokens,
-            s.evictions
+            s.evictions,
+            s.computed_tokens,
+            s.pending_tokens,
+            s.external_query_tokens,
+            s.external_hit_tokens,
+            s.external_failures
         )
     }
 }
 
-/// One prefix-cache change: kind "stored", "removed" or "cleared".
+/// One change of a tier: kind "stored", "removed" or "cleared"; medium "GPU" or "CPU".
 #[pyclass(frozen, get_all, module = "pagedkv._core")]
 struct Event {
     kind: &'static str,
@@ -620,20 +771,47 @@ struct Event {
     block_hash: Option<u128>,
     parent_hash: Option<u128>,
     token_ids: Vec<u32>,
+    block_id: Option<u32>,
+    medium: &'static str,
+}
+
+fn medium(pool: core::PoolKind) -> &'static str {
+    match pool {
+        core::PoolKind::Gpu => "GPU",
+        core::PoolKind::Cpu => "CPU",
+    }
 }
 
 impl From<core::Event> for Event {
     fn from(event: core::Event) -> Event {
-        let (kind, block_hash, parent_hash, token_ids) = match event.kind {
+        let (kind, block_hash, parent_hash, token_ids, block_id, medium) = match event.kind {
             core::EventKind::BlockStored {
                 block_hash,
                 parent_hash,
                 token_ids,
-            } => ("stored", Some(block_hash), parent_hash, token_ids),
-            core::EventKind::BlockRemoved { block_hash } => {
-                ("removed", Some(block_hash), None, Vec::new())
-            }
-            core::EventKind::AllBlocksCleared => ("cleared", None, None, Vec::new()),
+                block_id,
+                medium: pool,
+            } => (
+                "stored",
+                Some(block_hash),
+                parent_hash,
+                token_ids,
+                Some(block_id),
+                medium(pool),
+            ),
+            core::EventKind::BlockRemoved {
+                block_hash,
+                block_id,
+                medium: pool,
+            } => (
+                "removed",
+                Some(block_hash),
+                None,
+                Vec::new(),
+                Some(block_id),
+                medium(pool),
+            ),
+            core::EventKind::AllBlocksCleared => ("cleared", None, None, Vec::new(), None, "GPU"),
         };
         Event {
             kind,
@@ -641,6 +819,8 @@ impl From<core::Event> for Event {
             block_hash,
             parent_hash,
             token_ids,
+            block_id,
+            medium,
         }
     }
 }
@@ -649,8 +829,15 @@ impl From<core::Event> for Event {
 impl Event {
     fn __repr__(&self) -> String {
         format!(
-            "Event(kind={:?}, seq_no={}, block_hash={:?}, parent_hash={:?}, token_ids={:?})",
-            self.kind, self.seq_no, self.block_hash, self.parent_hash, self.token_ids
+            "Event(kind={:?}, seq_no={}, medium={:?}, block_id={:?}, block_hash={:?}, \
+             parent_hash={:?}, token_ids={:?})",
+            self.kind,
+            self.seq_no,
+            self.medium,
+            self.block_id,
+            self.block_hash,
+            self.parent_hash,
+            self.token_ids
         )
     }
 }

@@ -1,0 +1,71 @@
+//! Which computed block hashes the CPU swap pool holds, so that `BlockStored` / `BlockRemoved`
+//! events with medium CPU describe it exactly: a hash is announced when its first CPU copy
+//! appears (a confirmed swap-out) and withdrawn when its last copy leaves (a confirmed swap-in,
+//! or a swapped-out sequence freed). Kept only while events are recorded.
+
+use std::collections::HashMap;
+
+use crate::prefix::BlockHash;
+use crate::sync::{lock, Mutex};
+use crate::BlockId;
+
+/// Announced CPU blocks and how many of them hold each hash.
+#[derive(Default)]
+pub(crate) struct CpuTier {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    hash_of: HashMap<BlockId, BlockHash>,
+    copies: HashMap<BlockHash, u32>,
+}
+
+impl CpuTier {
+    /// Records that CPU `block` holds `hash`; `announce` runs (under the lock, so events stay
+    /// ordered) when it is the hash's first copy. A block already recorded is left alone.
+    pub(crate) fn add(&self, block: BlockId, hash: BlockHash, announce: impl FnOnce()) {
+        let mut inner = lock(&self.inner);
+        if inner.hash_of.insert(block, hash).is_some() {
+            return;
+        }
+        let copies = inner.copies.entry(hash).or_insert(0);
+        *copies += 1;
+        if *copies == 1 {
+            announce();
+        }
+    }
+
+    /// Forgets CPU `block` (it became free); `withdraw` runs with its hash when that was the
+    /// hash's last copy.
+    pub(crate) fn remove(&self, block: BlockId, withdraw: impl FnOnce(BlockHash)) {
+        let mut inner = lock(&self.inner);
+        let Some(hash) = inner.hash_of.remove(&block) else {
+            return;
+        };
+        let copies = inner.copies.get_mut(&hash).expect("counted when added");
+        *copies -= 1;
+        if *copies == 0 {
+            inner.copies.remove(&hash);
+            withdraw(hash);
+        }
+    }
+
+    /// Forgets everything (a prefix-cache reset clears both tiers).
+    pub(crate) fn clear(&self) {
+        let mut inner = lock(&self.inner);
+        inner.hash_of.clear();
+        inner.copies.clear();
+    }
+
+    /// The announced CPU blocks and their hashes, for `check`.
+    pub(crate) fn blocks(&self) -> Vec<(BlockId, BlockHash)> {
+        let inner = lock(&self.inner);
+        let mut counted: HashMap<BlockHash, u32> = HashMap::new();
+        for &hash in inner.hash_of.values() {
+            *counted.entry(hash).or_insert(0) += 1;
+        }
+        debug_assert_eq!(counted, inner.copies);
+        inner.hash_of.iter().map(|(&b, &h)| (b, h)).collect()
+    }
+}
