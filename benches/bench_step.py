@@ -1,7 +1,7 @@
 """Continuous-batching decode loop: pagedkv.BlockManager against the Python reference manager.
 
 Both managers serve the same seeded, ShareGPT-like trace in the same run: admission with a
-prefix lookup (can_allocate, then allocate), one decode token per running sequence per step via
+prefix lookup (can_allocate, then allocate, then the prefill's plan), one decode token per running sequence per step via
 step() (which builds the attention plan), preemption by recomputation when a step runs out of
 blocks, and free on finish. The timed region is the step() call alone; total loop time is
 reported too. The semantics are deterministic, so both runs must make identical decisions:
@@ -106,7 +106,8 @@ def serve(mgr: Any, trace: Trace, max_running: int) -> RunResult:
             if not mgr.can_allocate(prompts[req]):
                 waits += 1
                 break
-            mgr.allocate(req, prompts[req])
+            reused = mgr.allocate(req, prompts[req])
+            mgr.plan([req], [len(prompts[req]) - reused])  # the prefill (not timed)
             admitted.append(waiting.popleft())
         if admitted:
             new = np.array(admitted, dtype=np.int64)

@@ -182,6 +182,8 @@ class _Engine:
             if not self._has_room(self.mgr.num_tokens(seq.seq_id)):
                 return
             self.gpu.swap_in(self.cpu, self.mgr.swap_in([seq.seq_id]))
+            # The copy is queued on the device's stream ahead of the next forward pass.
+            self.mgr.confirm_swap_in([seq.seq_id])
             self.running.append(self.swapped.pop(0))
 
     def _admit(self, step: int) -> list[_Sequence]:
@@ -207,6 +209,7 @@ class _Engine:
     def _swap_out(self, seq: _Sequence) -> None:
         pairs = self.mgr.swap_out([seq.seq_id])
         self.gpu.swap_out(self.cpu, pairs)
+        self.mgr.confirm_swap_out([seq.seq_id])  # the GPU blocks may be reused from here on
         self.result.swapped_out_blocks += len(pairs)
         self.running.remove(seq)
         self.swapped.insert(0, seq)
@@ -250,9 +253,8 @@ class _Engine:
             if q:
                 q_lens.append(q)
                 batch.append(seq)
-        # Admitted after the others grew, so a sequence whose tokens are not computed yet is
-        # never swapped out: its full blocks are already in the prefix cache, and releasing
-        # them before their K/V is written would publish garbage.
+        # Admitted after the others grew: a sequence admitted now is not a swap victim before
+        # its prefill runs (the manager would refuse to share its pending KV anyway).
         for seq in self._admit(step):
             q_lens.append(self.mgr.num_tokens(seq.seq_id) - seq.computed)
             batch.append(seq)
@@ -265,12 +267,12 @@ class _Engine:
                     f"a pool of {self.mgr.num_blocks} blocks cannot hold the next sequence"
                 )
             return
-        copies = self.mgr.take_copies()
-        self.result.copied_blocks += len(copies)
-        self.gpu.copy_blocks(copies)
-
         ids = [s.seq_id for s in batch]
+        # Planning commits each sequence's previous forward pass (auto-commit) and hands back
+        # the copy-on-write pairs this batch must apply before its own forward pass.
         plan = self.mgr.plan(ids, q_lens)
+        self.result.copied_blocks += len(plan.copies)
+        self.gpu.copy_blocks(plan.copies)
         tokens: list[int] = []
         for seq, q in zip(batch, q_lens, strict=True):
             all_tokens = seq.prompt + seq.generated

@@ -405,11 +405,13 @@ def test_block_manager_engine_with_prefix_hits_forks_and_swaps() -> None:
                 swapped.add(seq)
             else:
                 gpu.swap_in(cpu, pairs)
+                mgr.confirm_swap_in([seq])
         elif running and rng.random() < 0.2:
             seq = int(rng.choice(running))
             if seq not in pending:
                 pairs = mgr.swap_out([seq])
                 gpu.swap_out(cpu, pairs)
+                mgr.confirm_swap_out([seq])
                 swapped.add(seq)
                 seen["swap"] += 1
         # Retire some sequences.
@@ -433,11 +435,10 @@ def test_block_manager_engine_with_prefix_hits_forks_and_swaps() -> None:
         batch = [s for s in batch if s in pending]
         if not batch:
             continue
-        copies = mgr.take_copies()
-        seen["cow"] += len(copies)
-        gpu.copy_blocks(copies)
         q_lens = [pending.pop(s) for s in batch]
         plan = mgr.plan(batch, q_lens)
+        seen["cow"] += len(plan.copies)
+        gpu.copy_blocks(plan.copies)
         attn.plan(plan)
         seen["steps"] += 1
         total = sum(q_lens)

@@ -192,23 +192,21 @@ def test_block_manager_fork_copy_on_write_and_swap_round_trip() -> None:
     cpu = KVCache(2, 8, bs, 2, 4, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
 
-    def write_step(seqs: list[int], q_lens: list[int]) -> None:
-        gpu.copy_blocks(mgr.take_copies())
+    def write_step(seqs: list[int], q_lens: list[int]) -> int:
         plan = mgr.plan(seqs, q_lens)
+        gpu.copy_blocks(plan.copies)  # this batch's copies, before its KV is written
         for layer in range(2):
             k = torch.randn(sum(q_lens), 2, 4, generator=gen)
             gpu.write(layer, k, -k, plan)
+        return len(plan.copies)
 
     mgr.allocate(1, list(range(10)))  # 2 full blocks + a partial one
-    write_step([1], [10])
+    assert write_step([1], [10]) == 0
     parent = read_sequence(gpu, mgr.block_table(1), 10)
     mgr.fork(1, 2)
     assert np.array_equal(mgr.block_table(1), mgr.block_table(2))
     mgr.append(2, [99])  # the shared partial block must be copied before the child writes
-    copies = mgr.take_copies()
-    assert copies.shape == (1, 2)
-    gpu.copy_blocks(copies)
-    write_step([2], [1])
+    assert write_step([2], [1]) == 1
     child = read_sequence(gpu, mgr.block_table(2), 11)
     assert torch.equal(child[:, :10], parent)
     assert torch.equal(read_sequence(gpu, mgr.block_table(1), 10), parent)
@@ -216,10 +214,12 @@ def test_block_manager_fork_copy_on_write_and_swap_round_trip() -> None:
     # Swap both out (shared full blocks are copied once), clobber the GPU, swap back in.
     out_pairs = mgr.swap_out([1, 2])
     gpu.swap_out(cpu, out_pairs)
+    mgr.confirm_swap_out([1, 2])  # only now may the GPU blocks be reused
     for layer in range(2):
         gpu.layer(layer).fill_(float("nan"))
     mgr.allocate(3, list(range(50, 58)))  # takes GPU blocks the swapped sequences gave back
     gpu.swap_in(cpu, mgr.swap_in([2, 1]))
+    mgr.confirm_swap_in([2, 1])
     assert torch.equal(read_sequence(gpu, mgr.block_table(1), 10), parent)
     assert torch.equal(read_sequence(gpu, mgr.block_table(2), 11), child)
     mgr.check()

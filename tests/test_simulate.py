@@ -305,6 +305,23 @@ def test_paged_beams_share_history_and_free_everything() -> None:
 
 
 def test_prefix_ids_share_blocks_across_requests() -> None:
+    # The second request arrives after the first one's prefill ran: only computed KV is shared.
+    lines = [
+        '{"prompt_len": 40, "output_len": 9, "prefix_id": "sys", "prefix_len": 32, "arrival": 0}',
+        '{"prompt_len": 36, "output_len": 5, "prefix_id": "sys", "prefix_len": 32, "arrival": 2}',
+    ]
+    trace = parse_jsonl(lines, name="t", max_len=100, rate=INF, seed=0)
+    plain = [Request(40, 9, 0.0), Request(36, 5, 2.0)]
+    shared = drive(paged(32, 8, trace), trace)
+    alone = drive(paged(32, 8, plain), plain)
+    both = next(i for i, c in enumerate(alone) if c.logical > 48)  # both requests running
+    # The 4 full blocks of the common 32-token prefix are held once.
+    assert shared[both].held == alone[both].held - 4 * 8
+    assert shared[both].logical == alone[both].logical
+
+
+def test_prefix_ids_admitted_together_recompute_the_prefix() -> None:
+    # Admitted in the same step, neither prefix is computed yet: nothing is shared.
     lines = [
         '{"prompt_len": 40, "output_len": 5, "prefix_id": "sys", "prefix_len": 32}',
         '{"prompt_len": 36, "output_len": 5, "prefix_id": "sys", "prefix_len": 32}',
@@ -312,9 +329,7 @@ def test_prefix_ids_share_blocks_across_requests() -> None:
     trace = parse_jsonl(lines, name="t", max_len=100, rate=INF, seed=0)
     shared = drive(paged(32, 8, trace), trace)
     alone = drive(paged(32, 8, [Request(40, 5), Request(36, 5)]), [Request(40, 5), Request(36, 5)])
-    # The 4 full blocks of the common 32-token prefix are held once.
-    assert shared[0].held == alone[0].held - 4 * 8
-    assert shared[0].logical == alone[0].logical
+    assert shared[0].held == alone[0].held
 
 
 # --- the whole comparison --------------------------------------------------------------------

@@ -179,7 +179,7 @@ class KVCache:
         self.layer(layer)[blocks, :, offsets] = torch.stack((k, v), dim=1)
 
     def copy_blocks(self, pairs: npt.NDArray[Any]) -> None:
-        """Apply copy-on-write pairs `(src, dst)` (from `BlockManager.take_copies`), in order.
+        """Apply copy-on-write pairs `(src, dst)` (a plan's `copies`), in order.
 
         Apply them before writing the step's new K/V. Pairs are copied all at once when no
         destination is read or written by another pair, and one by one otherwise, so a chain

@@ -97,23 +97,25 @@ class PagedSystem:
         return self._next_seq - 1
 
     def admit(self, active: Active) -> int | None:
-        """Allocate the prompt (and, after a preemption, the tokens already generated)."""
+        """Allocate the prompt (and, after a preemption, the tokens already generated) and plan
+        its prefill; returns the tokens the prefill computes."""
         prompt = self._prompt(active.index)
         seqs = self._seqs.get(active.index)
         if seqs is None:  # first admission: one allocation, the other sequences fork it
             if not self.manager.can_allocate(prompt):
                 return None
             first = self._new_seq_id()
-            cached = self.manager.allocate(first, prompt)
+            computed = self._prefill(first, prompt)
             seqs = [first]
-            for _ in range(active.width - 1):
+            for _ in range(active.width - 1):  # the fork commits the prefill's forward pass
                 child = self._new_seq_id()
                 self.manager.fork(first, child)
                 seqs.append(child)
             self._seqs[active.index] = seqs
-            return len(prompt) - cached
+            return computed
         # Recompute after preemption: each sequence is rebuilt from the prompt and its own
-        # generated tokens; the prefix cache shares the prompt's full blocks among them.
+        # generated tokens; once the first one's prefill is computed, the others reuse the
+        # prompt's full blocks from the prefix cache.
         generated = np.arange(len(prompt), active.length)
         histories = [
             np.concatenate([prompt, _output_tokens(np.full_like(generated, s), generated)])
@@ -124,12 +126,19 @@ class PagedSystem:
         computed = 0
         for i, (seq, tokens) in enumerate(zip(seqs, histories, strict=True)):
             try:
-                computed += len(tokens) - self.manager.allocate(seq, tokens)
+                computed += self._prefill(seq, tokens)
             except OutOfBlocks:
                 for done in seqs[:i]:
                     self.manager.free(done)
                 return None
+            self.manager.commit([seq])
         return computed
+
+    def _prefill(self, seq: int, tokens: npt.NDArray[np.uint32]) -> int:
+        """Admit one sequence and plan the tokens the prefix cache did not cover."""
+        todo = len(tokens) - self.manager.allocate(seq, tokens)
+        self.manager.plan([seq], [todo])
+        return todo
 
     def _reshuffle_beams(self, active: Active) -> None:
         """Advance one request's beams: some continue another beam instead of their own."""

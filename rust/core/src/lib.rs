@@ -4,7 +4,8 @@
 //! block table mapping its logical positions to physical blocks. Full blocks are shared between
 //! sequences with the same prefix (chained keyed hashes), forks share blocks copy-on-write,
 //! unreferenced cached blocks are evicted least recently released first, and sequences can be
-//! swapped to a CPU pool. Each step's attention inputs come out as one [`Plan`].
+//! swapped to a CPU pool. Each step's attention inputs come out as one [`Plan`]. Only KV the
+//! engine has committed as computed is ever shared (see `SEMANTICS.md`, "KV lifecycle").
 //!
 //! ```
 //! use pagedkv::{BlockManager, Config, Plan};
@@ -12,13 +13,16 @@
 //! let mgr = BlockManager::new(Config::new(64, 16)).unwrap();
 //! let system: Vec<u32> = (0..40).collect();
 //! assert_eq!(mgr.allocate(1, &system, None).unwrap(), 0);
-//! // A second request with the same 32-token prefix reuses its two full blocks.
-//! assert_eq!(mgr.allocate(2, &system, None).unwrap(), 32);
-//!
 //! let mut plan = Plan::new();
-//! mgr.step(&[1, 2], &[7, 7], &mut plan).unwrap(); // one decode token each
+//! mgr.plan(&[1], &[40], &mut plan).unwrap(); // the prefill; the engine computes its KV
+//! mgr.step(&[1], &[7], &mut plan).unwrap(); // commits the prefill, plans one decode token
+//! // A second request with the same 32-token prefix reuses its two full, computed blocks.
+//! assert_eq!(mgr.allocate(2, &system, None).unwrap(), 32);
+//! mgr.plan(&[2], &[8], &mut plan).unwrap();
+//!
+//! mgr.step(&[1, 2], &[8, 7], &mut plan).unwrap(); // one decode token each
 //! assert_eq!(plan.kv_indptr, vec![0, 3, 6]);
-//! assert_eq!(plan.kv_last_page_len, vec![9, 9]);
+//! assert_eq!(plan.kv_last_page_len, vec![10, 9]);
 //! mgr.free(1).unwrap();
 //! mgr.free(2).unwrap();
 //! mgr.check().unwrap();
