@@ -51,11 +51,13 @@ impl CpuTier {
         }
     }
 
-    /// Forgets everything (a prefix-cache reset clears both tiers).
-    pub(crate) fn clear(&self) {
+    /// Forgets everything (a prefix-cache reset clears both tiers), running `cleared` under the
+    /// lock so no announcement is ordered across it.
+    pub(crate) fn clear(&self, cleared: impl FnOnce()) {
         let mut inner = lock(&self.inner);
         inner.hash_of.clear();
         inner.copies.clear();
+        cleared();
     }
 
     /// The announced CPU blocks and their hashes, for `check`.

@@ -714,15 +714,16 @@ impl BlockManager {
             self.events.record(|| EventKind::AllBlocksCleared);
             return;
         };
-        self.cpu_tier.clear();
         let mut shards = prefix.lock_all();
         let registered: Vec<BlockId> = shards.iter().flat_map(|s| s.values().copied()).collect();
         self.gpu.clear_hashes(registered.into_iter());
         for shard in &mut shards {
             shard.clear();
         }
-        // Under the shard locks, so no registration's event can slip in before this one.
-        self.events.record(|| EventKind::AllBlocksCleared);
+        // Under the shard locks and the CPU tier's, so no GPU or CPU event can slip in before
+        // this one for a block it clears.
+        self.cpu_tier
+            .clear(|| self.events.record(|| EventKind::AllBlocksCleared));
     }
 
     /// Verifies every invariant (block counts, refcount == holders, free list and cache
