@@ -1381,4 +1381,443 @@ mod tests {
         assert!(plan.block_tables.is_empty());
         mgr.check().unwrap();
     }
+
+    fn manager(num_blocks: u32, block_size: u32, edit: impl FnOnce(&mut Config)) -> BlockManager {
+        let mut config = Config::new(num_blocks, block_size);
+        config.watermark = 0.0;
+        edit(&mut config);
+        BlockManager::new(config).unwrap()
+    }
+
+    /// Plans every uncomputed token of each sequence (a prefill), returning the plan.
+    fn prefill(mgr: &BlockManager, seqs: &[SeqId]) -> Plan {
+        let lens: Vec<u32> = seqs
+            .iter()
+            .map(|&s| (mgr.num_tokens(s).unwrap() - mgr.num_computed(s).unwrap()) as u32)
+            .collect();
+        let mut plan = Plan::new();
+        mgr.plan(seqs, &lens, &mut plan).unwrap();
+        mgr.check().unwrap();
+        plan
+    }
+
+    fn is_invalid<T: std::fmt::Debug>(result: Result<T, Error>) -> bool {
+        matches!(result, Err(Error::InvalidArgument(_)))
+    }
+
+    /// `(medium, block_id, stored)` of each recorded event.
+    fn event_blocks(mgr: &BlockManager) -> Vec<(PoolKind, BlockId, bool)> {
+        mgr.take_events()
+            .into_iter()
+            .map(|e| match e.kind {
+                EventKind::BlockStored {
+                    block_id, medium, ..
+                } => (medium, block_id, true),
+                EventKind::BlockRemoved {
+                    block_id, medium, ..
+                } => (medium, block_id, false),
+                EventKind::AllBlocksCleared => panic!("nobody reset the cache"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn blocks_are_hittable_only_once_committed() {
+        let mgr = manager(16, 4, |c| c.enable_events = true);
+        let prompt: Vec<Token> = (1..=9).collect();
+        assert_eq!(mgr.allocate(1, &prompt, None).unwrap(), 0);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 0);
+        assert!(mgr.take_events().is_empty(), "allocate registers nothing");
+        let plan = prefill(&mgr, &[1]);
+        assert_eq!(plan.positions, (0..9).collect::<Vec<i32>>());
+        // Planned is not computed: a second request still recomputes the prefix.
+        assert_eq!(mgr.allocate(2, &prompt, None).unwrap(), 0);
+        mgr.free(2).unwrap();
+        let st = mgr.stats();
+        assert_eq!((st.computed_tokens, st.pending_tokens), (0, 9));
+        mgr.commit(&[1], None).unwrap();
+        mgr.check().unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 9);
+        let st = mgr.stats();
+        assert_eq!((st.computed_tokens, st.pending_tokens), (9, 0));
+        assert_eq!(
+            event_blocks(&mgr),
+            vec![(PoolKind::Gpu, 0, true), (PoolKind::Gpu, 1, true)]
+        );
+        assert_eq!(mgr.allocate(3, &prompt, None).unwrap(), 8);
+        assert_eq!(mgr.block_table(3).unwrap()[..2], [0, 1]);
+        mgr.check().unwrap();
+
+        // Auto-commit: the next step's call commits the decode token planned by the last one.
+        let mut plan = Plan::new();
+        mgr.step(&[1], &[10], &mut plan).unwrap();
+        mgr.step(&[1], &[11], &mut plan).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 10);
+        assert_eq!(
+            mgr.cached_prefix_blocks(&(1..=13).collect::<Vec<_>>(), None),
+            2
+        );
+        mgr.step(&[1], &[12], &mut plan).unwrap();
+        mgr.step(&[1], &[13], &mut plan).unwrap();
+        assert_eq!(
+            mgr.cached_prefix_blocks(&(1..=13).collect::<Vec<_>>(), None),
+            3
+        );
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn without_auto_commit_only_commit_computes() {
+        let mgr = manager(16, 4, |c| c.auto_commit = false);
+        let prompt: Vec<Token> = (1..=9).collect();
+        mgr.allocate(1, &prompt, None).unwrap();
+        prefill(&mgr, &[1]);
+        let mut plan = Plan::new();
+        mgr.step(&[1], &[10], &mut plan).unwrap();
+        mgr.append(1, &[11]).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 0);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 0);
+        // Beyond what was planned (10 tokens) is refused, and changes nothing.
+        assert!(is_invalid(mgr.commit(&[1], Some(&[11]))));
+        assert!(is_invalid(mgr.commit(&[1], Some(&[4, 4]))));
+        assert!(is_invalid(mgr.commit(&[1, 1], None)));
+        assert_eq!(mgr.commit(&[7], None), Err(Error::UnknownSequence(7)));
+        assert_eq!(mgr.num_computed(1).unwrap(), 0);
+        mgr.commit(&[1], Some(&[5])).unwrap();
+        mgr.check().unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 5);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 1);
+        // A count below what is computed changes nothing.
+        mgr.commit(&[1], Some(&[2])).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 5);
+        mgr.commit(&[1], None).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 10);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 2);
+        let st = mgr.stats();
+        assert_eq!((st.computed_tokens, st.pending_tokens), (10, 1));
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn queries_may_not_skip_unplanned_tokens() {
+        let mgr = manager(16, 4, |_| {});
+        mgr.allocate(1, &(1..=9).collect::<Vec<_>>(), None).unwrap();
+        let mut plan = Plan::new();
+        assert!(is_invalid(mgr.step(&[1], &[10], &mut plan)));
+        assert!(is_invalid(mgr.plan(&[1], &[1], &mut plan)));
+        assert!(is_invalid(mgr.plan(&[1], &[5], &mut plan)));
+        assert_eq!(mgr.num_tokens(1).unwrap(), 9);
+        assert_eq!(plan.batch_size(), 0);
+        mgr.check().unwrap();
+        // A chunked prefill: the first chunk, then the rest.
+        mgr.plan(&[1], &[9], &mut plan).unwrap();
+        mgr.append(1, &[10, 11, 12]).unwrap();
+        assert!(is_invalid(mgr.plan(&[1], &[1], &mut plan)));
+        assert!(is_invalid(mgr.step(&[1], &[13], &mut plan)));
+        mgr.plan(&[1], &[3], &mut plan).unwrap();
+        assert_eq!(plan.positions, vec![9, 10, 11]);
+        mgr.step(&[1], &[13], &mut plan).unwrap();
+        assert_eq!(plan.positions, vec![12]);
+        // Re-planning already planned tokens is allowed (a recomputation); its auto-commit
+        // confirms the step before it.
+        mgr.plan(&[1], &[13], &mut plan).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 13);
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn a_copy_comes_with_its_plan_and_holds_its_source_until_committed() {
+        let mgr = manager(6, 4, |c| {
+            c.num_cpu_blocks = 4;
+            c.auto_commit = false;
+        });
+        mgr.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.commit(&[1], None).unwrap();
+        mgr.fork(1, 2).unwrap();
+        assert_eq!(mgr.block_table(2).unwrap(), vec![0, 1]);
+        // The shared partial block 1 is copied to a fresh block 2 on write.
+        mgr.append(2, &[7]).unwrap();
+        assert_eq!(mgr.block_table(2).unwrap(), vec![0, 2]);
+        mgr.check().unwrap();
+        assert!(
+            is_invalid(mgr.swap_out(&[2])),
+            "a copy not yet planned blocks a swap-out"
+        );
+        mgr.free(1).unwrap();
+        mgr.check().unwrap();
+        // Block 1 is still held by the copy: filling the pool never hands it out.
+        mgr.allocate(3, &(100..112).collect::<Vec<_>>(), None)
+            .unwrap();
+        assert_eq!(mgr.block_table(3).unwrap(), vec![3, 4, 5]);
+        let full = Err(Error::OutOfBlocks {
+            pool: PoolKind::Gpu,
+            needed: 1,
+            available: 0,
+        });
+        assert_eq!(mgr.allocate(4, &[9], None), full);
+        let mut plan = Plan::new();
+        mgr.plan(&[2], &[1], &mut plan).unwrap();
+        assert_eq!(plan.copies, vec![1, 2]);
+        assert_eq!(plan.num_copies(), 1);
+        assert_eq!(plan.slot_mapping, vec![2 * 4 + 2]);
+        mgr.check().unwrap();
+        // Delivered but not committed: the source is still held.
+        assert_eq!(mgr.allocate(4, &[9], None), full);
+        // A later plan does not deliver it again.
+        mgr.plan(&[2], &[1], &mut plan).unwrap();
+        assert!(plan.copies.is_empty());
+        mgr.commit(&[2], Some(&[6])).unwrap();
+        assert_eq!(mgr.allocate(4, &[9], None), full);
+        mgr.commit(&[2], None).unwrap();
+        mgr.check().unwrap();
+        mgr.allocate(4, &[9], None).unwrap();
+        assert_eq!(mgr.block_table(4).unwrap(), vec![1]);
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn with_auto_commit_the_next_call_completes_a_copy() {
+        let mgr = manager(4, 4, |_| {});
+        mgr.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.fork(1, 2).unwrap();
+        let mut plan = Plan::new();
+        mgr.step(&[2], &[7], &mut plan).unwrap();
+        assert_eq!(plan.copies, vec![1, 2]);
+        mgr.free(1).unwrap();
+        assert_eq!(mgr.stats().num_held, 3, "the source is held");
+        mgr.step(&[2], &[8], &mut plan).unwrap();
+        assert!(plan.copies.is_empty());
+        assert_eq!(mgr.stats().num_held, 2, "the step committed the copy");
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn freeing_a_copier_releases_its_sources() {
+        let mgr = manager(6, 4, |_| {});
+        mgr.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.fork(1, 2).unwrap();
+        mgr.append(2, &[7]).unwrap();
+        let mut plan = Plan::new();
+        mgr.plan(&[2], &[1], &mut plan).unwrap();
+        assert_eq!(plan.copies, vec![1, 2]);
+        mgr.free(1).unwrap();
+        mgr.free(2).unwrap();
+        mgr.check().unwrap();
+        let st = mgr.stats();
+        assert_eq!((st.num_held, st.stored_tokens), (0, 0));
+        assert_eq!(st.num_cached, 1, "block 0 was computed and registered");
+    }
+
+    #[test]
+    fn swaps_hold_their_sources_until_confirmed() {
+        let mgr = manager(4, 4, |c| {
+            c.num_cpu_blocks = 4;
+            c.enable_events = true;
+        });
+        let prompt: Vec<Token> = (1..=9).collect();
+        mgr.allocate(1, &prompt, None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.commit(&[1], None).unwrap();
+        assert_eq!(
+            event_blocks(&mgr),
+            vec![(PoolKind::Gpu, 0, true), (PoolKind::Gpu, 1, true)]
+        );
+        assert_eq!(mgr.swap_out(&[1]).unwrap(), vec![[0, 0], [1, 1], [2, 2]]);
+        mgr.check().unwrap();
+        assert_eq!(mgr.block_table(1), Err(Error::SwappedOut(1)));
+        // The GPU blocks are held until the copy is confirmed.
+        assert_eq!(mgr.stats().num_held, 3);
+        assert_eq!(
+            mgr.allocate(2, &(100..108).collect::<Vec<_>>(), None),
+            Err(Error::OutOfBlocks {
+                pool: PoolKind::Gpu,
+                needed: 2,
+                available: 1
+            })
+        );
+        assert!(is_invalid(mgr.swap_in(&[1])));
+        assert_eq!(mgr.confirm_swap_in(&[1]), Err(Error::SwappedOut(1)));
+        assert!(
+            mgr.take_events().is_empty(),
+            "the CPU tier waits for the copy"
+        );
+        mgr.confirm_swap_out(&[1]).unwrap();
+        mgr.check().unwrap();
+        assert!(is_invalid(mgr.confirm_swap_out(&[1])));
+        assert_eq!(
+            event_blocks(&mgr),
+            vec![(PoolKind::Cpu, 0, true), (PoolKind::Cpu, 1, true)]
+        );
+        let st = mgr.stats();
+        assert_eq!((st.num_held, st.num_cached, st.num_free), (0, 2, 2));
+
+        // Evict the cached copies, so only the swap-in could serve the prefix.
+        mgr.allocate(2, &(100..116).collect::<Vec<_>>(), None)
+            .unwrap();
+        assert_eq!(
+            event_blocks(&mgr),
+            vec![(PoolKind::Gpu, 1, false), (PoolKind::Gpu, 0, false)]
+        );
+        mgr.free(2).unwrap();
+        mgr.check().unwrap();
+
+        let pairs = mgr.swap_in(&[1]).unwrap();
+        mgr.check().unwrap();
+        let table = mgr.block_table(1).unwrap();
+        assert_eq!(
+            pairs.iter().map(|p| p[0]).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+        assert_eq!(pairs.iter().map(|p| p[1]).collect::<Vec<_>>(), table);
+        // Not hittable, forkable or swappable until the copy-in is confirmed.
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 0);
+        assert!(is_invalid(mgr.fork(1, 3)));
+        assert!(is_invalid(mgr.swap_out(&[1])));
+        assert_eq!(mgr.confirm_swap_out(&[1]), Err(Error::NotSwappedOut(1)));
+        assert!(mgr.take_events().is_empty());
+        mgr.confirm_swap_in(&[1]).unwrap();
+        mgr.check().unwrap();
+        assert!(is_invalid(mgr.confirm_swap_in(&[1])));
+        // The CPU copies leave (tail first), then the GPU blocks are registered.
+        assert_eq!(
+            event_blocks(&mgr),
+            vec![
+                (PoolKind::Cpu, 1, false),
+                (PoolKind::Cpu, 0, false),
+                (PoolKind::Gpu, table[0], true),
+                (PoolKind::Gpu, table[1], true),
+            ]
+        );
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 2);
+        mgr.fork(1, 3).unwrap();
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn the_cpu_tier_announces_each_hash_once() {
+        let mgr = manager(8, 4, |c| {
+            c.num_cpu_blocks = 8;
+            c.enable_events = true;
+        });
+        mgr.allocate(1, &(1..=9).collect::<Vec<_>>(), None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.fork(1, 2).unwrap();
+        mgr.take_events();
+        // Shared blocks are copied once.
+        assert_eq!(mgr.swap_out(&[1, 2]).unwrap(), vec![[0, 0], [1, 1], [2, 2]]);
+        mgr.confirm_swap_out(&[1, 2]).unwrap();
+        mgr.check().unwrap();
+        assert_eq!(
+            event_blocks(&mgr),
+            vec![(PoolKind::Cpu, 0, true), (PoolKind::Cpu, 1, true)]
+        );
+        mgr.free(1).unwrap();
+        assert!(mgr.take_events().is_empty(), "sequence 2 still holds them");
+        mgr.free(2).unwrap();
+        mgr.check().unwrap();
+        assert_eq!(
+            event_blocks(&mgr),
+            vec![(PoolKind::Cpu, 1, false), (PoolKind::Cpu, 0, false)]
+        );
+    }
+
+    #[test]
+    fn without_auto_commit_a_swap_out_waits_for_commit() {
+        let mgr = manager(8, 4, |c| {
+            c.num_cpu_blocks = 8;
+            c.auto_commit = false;
+        });
+        mgr.allocate(1, &(1..=9).collect::<Vec<_>>(), None).unwrap();
+        prefill(&mgr, &[1]);
+        assert!(is_invalid(mgr.swap_out(&[1])));
+        mgr.commit(&[1], None).unwrap();
+        assert_eq!(mgr.swap_out(&[1]).unwrap().len(), 3);
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn fork_needs_a_computed_parent() {
+        for auto_commit in [true, false] {
+            let mgr = manager(8, 4, |c| c.auto_commit = auto_commit);
+            mgr.allocate(1, &[1, 2, 3, 4, 5], None).unwrap();
+            assert!(is_invalid(mgr.fork(1, 2)));
+            prefill(&mgr, &[1]);
+            if !auto_commit {
+                assert!(is_invalid(mgr.fork(1, 2)));
+                mgr.commit(&[1], None).unwrap();
+            }
+            mgr.fork(1, 2).unwrap();
+            assert!(!mgr.contains(3));
+            assert_eq!(mgr.block_table(2).unwrap(), mgr.block_table(1).unwrap());
+            assert_eq!(mgr.num_computed(2).unwrap(), 5);
+            mgr.check().unwrap();
+        }
+    }
+
+    #[test]
+    fn external_loads_become_computed_when_confirmed() {
+        let mgr = manager(16, 4, |_| {});
+        let prompt: Vec<Token> = (1..=17).collect();
+        // Five blocks, four of them hittable (a hit never covers the last token).
+        let (reused, loads) = mgr.allocate_loading(1, &prompt, 3, None).unwrap();
+        assert_eq!((reused, loads), (0, vec![0, 1, 2]));
+        assert_eq!(mgr.stats().external_query_tokens, 16);
+        mgr.check().unwrap();
+        let mut plan = Plan::new();
+        assert!(is_invalid(mgr.step(&[1], &[18], &mut plan)));
+        assert!(is_invalid(mgr.plan(&[1], &[17], &mut plan)));
+        assert!(is_invalid(mgr.append(1, &[18])));
+        assert!(is_invalid(mgr.fork(1, 2)));
+        assert!(is_invalid(mgr.confirm_loads(1, 4)));
+        assert_eq!(mgr.confirm_loads(9, 1), Err(Error::UnknownSequence(9)));
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 0);
+        // Two of the three blocks arrived; the third is recomputed.
+        mgr.confirm_loads(1, 2).unwrap();
+        mgr.check().unwrap();
+        assert!(is_invalid(mgr.confirm_loads(1, 0)));
+        assert_eq!(mgr.num_computed(1).unwrap(), 8);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 2);
+        let st = mgr.stats();
+        assert_eq!(
+            (
+                st.external_hit_tokens,
+                st.prefix_hit_tokens,
+                st.external_failures
+            ),
+            (8, 8, 1)
+        );
+        mgr.plan(&[1], &[9], &mut plan).unwrap();
+        assert_eq!(plan.positions[0], 8);
+
+        // A second admission hits the two computed blocks and loads the next two.
+        let (reused, loads) = mgr.allocate_loading(2, &prompt, 9, None).unwrap();
+        assert_eq!(reused, 8);
+        assert_eq!(loads.len(), 2);
+        assert_eq!(mgr.block_table(2).unwrap()[2..4], loads[..]);
+        assert_eq!(mgr.stats().external_query_tokens, 16 + 8);
+        // Freeing a sequence that still waits counts its loads as failures.
+        mgr.free(2).unwrap();
+        mgr.check().unwrap();
+        assert_eq!(mgr.stats().external_failures, 3);
+        // Nothing to load: admitted like `allocate`.
+        let (reused, loads) = mgr.allocate_loading(3, &prompt, 2, None).unwrap();
+        assert_eq!((reused, loads), (8, vec![]));
+        mgr.confirm_loads(3, 0).unwrap_err();
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn without_prefix_caching_nothing_is_loaded() {
+        let mgr = manager(16, 4, |c| c.enable_prefix_caching = false);
+        let (reused, loads) = mgr
+            .allocate_loading(1, &(1..=17).collect::<Vec<_>>(), 4, None)
+            .unwrap();
+        assert_eq!((reused, loads), (0, vec![]));
+        assert_eq!(mgr.stats().external_query_tokens, 16);
+        prefill(&mgr, &[1]);
+        mgr.check().unwrap();
+    }
 }
