@@ -60,6 +60,11 @@ impl CpuTier {
         cleared();
     }
 
+    /// The hashes the CPU pool holds.
+    pub(crate) fn hashes(&self) -> Vec<BlockHash> {
+        lock(&self.inner).copies.keys().copied().collect()
+    }
+
     /// The announced CPU blocks and their hashes, for `check`.
     pub(crate) fn blocks(&self) -> Vec<(BlockId, BlockHash)> {
         let inner = lock(&self.inner);

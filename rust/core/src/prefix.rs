@@ -207,6 +207,14 @@ impl PrefixCache {
         }
     }
 
+    /// Every registered hash (each shard read under its lock, one after another).
+    pub(crate) fn hashes(&self) -> Vec<BlockHash> {
+        self.shards
+            .iter()
+            .flat_map(|shard| lock(shard).keys().copied().collect::<Vec<_>>())
+            .collect()
+    }
+
     /// Locks every shard (in order), for a reset or an audit.
     pub(crate) fn lock_all(&self) -> Vec<MutexGuard<'_, Shard>> {
         self.shards.iter().map(lock).collect()

@@ -297,6 +297,22 @@ impl BlockManager {
             .map_err(to_py)
     }
 
+    /// The 128-bit hashes of the computed blocks a tier holds, `medium` "GPU" or "CPU" (the
+    /// CPU tier is tracked while events are on).
+    #[pyo3(signature = (medium = "GPU"))]
+    fn stored_hashes(&self, medium: &str) -> PyResult<Vec<u128>> {
+        let pool = match medium {
+            "GPU" => core::PoolKind::Gpu,
+            "CPU" => core::PoolKind::Cpu,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "medium must be \"GPU\" or \"CPU\", got {other:?}"
+                )))
+            }
+        };
+        Ok(self.inner.stored_hashes(pool))
+    }
+
     /// Leading full blocks of the prompt the GPU prefix cache holds now.
     #[pyo3(signature = (token_ids, *, salt = None))]
     fn cached_prefix_blocks(
@@ -315,6 +331,12 @@ impl BlockManager {
         self.inner
             .hash_key_fingerprint()
             .map(|f| format!("{f:016x}"))
+    }
+
+    /// Whether the manager records events for `take_events`.
+    #[getter]
+    fn events_enabled(&self) -> bool {
+        self.inner.config().enable_events
     }
 
     /// Whether a call naming a sequence first commits its latest plan.
