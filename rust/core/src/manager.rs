@@ -336,6 +336,17 @@ impl BlockManager {
         self.prefix.as_ref().map(PrefixCache::fingerprint)
     }
 
+    /// The hashes of the computed full blocks `medium` holds: registered in the GPU prefix
+    /// cache, or (while events are recorded) copied to the CPU pool by confirmed swap-outs. It
+    /// is what an index built from the events describes.
+    pub fn stored_hashes(&self, medium: PoolKind) -> Vec<BlockHash> {
+        match (medium, &self.prefix) {
+            (_, None) => Vec::new(),
+            (PoolKind::Gpu, Some(prefix)) => prefix.hashes(),
+            (PoolKind::Cpu, Some(_)) => self.cpu_tier.hashes(),
+        }
+    }
+
     /// Appends tokens to a running sequence, copying a shared last block on write. The tokens'
     /// KV is pending until a plan computes it; the copy comes back with that plan.
     pub fn append(&self, seq: SeqId, tokens: &[Token]) -> Result<(), Error> {
