@@ -60,7 +60,9 @@ class SyntheticEngine:
             elif action < 0.85:  # a swap-out confirmed: copies appear on the CPU tier
                 for h in rng.sample(gpu, min(len(gpu), rng.randrange(1, 4))):
                     if ("CPU", h) not in self.truth:
-                        events.append(FakeEvent("stored", h, self.chains[h], [7] * self.block_size, "CPU"))
+                        events.append(
+                            FakeEvent("stored", h, self.chains[h], [7] * self.block_size, "CPU")
+                        )
                         self.truth.add(("CPU", h))
             elif action < 0.97 and cpu:  # a swap-in confirmed: the CPU copy leaves
                 h = rng.choice(cpu)

@@ -84,9 +84,7 @@ def test_array_encoding_and_no_rank(endpoint: str) -> None:
 
 def test_late_joiner_recovers_exact_index_through_replay(endpoint: str) -> None:
     engine = SyntheticEngine(block_size=BS, seed=2)
-    with KVEventPublisher(
-        endpoint, block_size=BS, replay_endpoint=replay_address(endpoint)
-    ) as pub:
+    with KVEventPublisher(endpoint, block_size=BS, replay_endpoint=replay_address(endpoint)) as pub:
         for _ in range(200):  # nobody listens yet
             pub.publish(engine.step())
         sub = connected(pub)

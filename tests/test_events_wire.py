@@ -78,8 +78,12 @@ def test_unknown_kind_and_missing_hash_are_errors() -> None:
 @pytest.mark.parametrize("encoding", ["map", "array"])
 def test_independent_decoder_reads_every_event(encoding: str) -> None:
     wire = to_wire(
-        [stored(BIG, None), stored(BIG + 1, BIG), FakeEvent("removed", 7, medium="CPU")]
-        + [FakeEvent("cleared")],
+        [
+            stored(BIG, None),
+            stored(BIG + 1, BIG),
+            FakeEvent("removed", 7, medium="CPU"),
+            FakeEvent("cleared"),
+        ],
         2,
     )
     batch = decode_payload(0, encode_batch(12.5, wire, 3, encoding))  # type: ignore[arg-type]
