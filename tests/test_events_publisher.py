@@ -7,6 +7,7 @@ the compiled core's event fields.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,10 +62,11 @@ def test_index_follows_truth_after_every_step(endpoint: str) -> None:
                 published += 1
                 assert sub.index.tier("GPU") == engine.wire_truth("GPU")
                 assert sub.index.tier("CPU") == engine.wire_truth("CPU")
-            assert sub.gaps == 0 and pub.sent == published and pub.dropped == 0
+            assert sub.gaps == 0
             assert any(e["type"] == "AllBlocksCleared" for b in sub.batches for e in b.events)
         finally:
             sub.close()
+    assert pub.sent == published and pub.dropped == 0
 
 
 def test_array_encoding_and_no_rank(endpoint: str) -> None:
@@ -85,8 +87,14 @@ def test_array_encoding_and_no_rank(endpoint: str) -> None:
 def test_late_joiner_recovers_exact_index_through_replay(endpoint: str) -> None:
     engine = SyntheticEngine(block_size=BS, seed=2)
     with KVEventPublisher(endpoint, block_size=BS, replay_endpoint=replay_address(endpoint)) as pub:
+        missed = 0
         for _ in range(200):  # nobody listens yet
-            pub.publish(engine.step())
+            events = engine.step()
+            missed += bool(events)
+            pub.publish(events)
+        deadline = time.monotonic() + 10
+        while pub.sent < missed and time.monotonic() < deadline:  # all sent, to nobody
+            time.sleep(0.001)
         sub = connected(pub)
         try:
             events: list[FakeEvent] = []
@@ -94,7 +102,7 @@ def test_late_joiner_recovers_exact_index_through_replay(endpoint: str) -> None:
                 events = engine.step()
             pub.publish(events)
             batch = sub.follow()
-            assert batch.seq > 0 and sub.gaps == 1  # it joined late, and noticed
+            assert batch.seq == missed and sub.gaps == 1  # it joined late, and noticed
             assert sub.index.tier("GPU") == engine.wire_truth("GPU")
             assert sub.index.tier("CPU") == engine.wire_truth("CPU")
             assert [b.seq for b in sub.batches] == list(range(batch.seq + 1))
@@ -176,7 +184,8 @@ def test_full_queue_drops_counts_and_resyncs_without_stale_blocks() -> None:
         pub.publish(events)
         enqueued += pub.dropped == before
     pub.close()
-    assert pub.dropped > 0 and pub.sent == enqueued  # counted, and nothing else lost
+    resync_at_close = pub.sent - enqueued  # 1 if the last batches were dropped
+    assert pub.dropped > 0 and resync_at_close in (0, 1)  # counted, and nothing else lost
     batches = [sub.follow() for _ in range(pub.sent)]  # gapless numbers: follow() checks
     assert any(b.events[0]["type"] == "AllBlocksCleared" for b in batches[1:])
     # Every block the index holds is really there (it may miss some: never stale ones).

@@ -172,10 +172,15 @@ class KVEventPublisher:
             return self._subscribed.wait_for(lambda: self._subscriptions >= count, timeout)
 
     def close(self) -> None:
-        """Send every enqueued batch, then close the sockets (idempotent)."""
+        """Send every enqueued batch, then close the sockets (idempotent).
+
+        If the last batches were dropped, a final batch with `AllBlocksCleared` goes out first.
+        """
         if self._closed:
             return
         self._closed = True
+        if self._lost:  # the last batches were dropped: tell the router to forget, too
+            self._queue.put((time.time(), [], True))
         while self._thread.is_alive():
             try:
                 self._queue.put(_STOP, timeout=_IDLE_POLL_S)
