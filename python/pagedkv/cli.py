@@ -10,7 +10,11 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from pagedkv.events import KVEventPublisher
+    from pagedkv.simulate.simulation import SimulationConfig
 
 T = TypeVar("T")
 
@@ -230,6 +234,34 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print JSON instead of the table")
     sim.add_argument("--plot", type=Path, metavar="FILE.png", help="write a PNG plot")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    events = sim.add_argument_group(
+        "KV events (the paged system's, live, for KV-aware routers; needs pagedkv[events])"
+    )
+    events.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish on this ZeroMQ PUB endpoint, e.g. tcp://*:5557 (binds with *, ::, ipc:// "
+        "or inproc://, connects otherwise)",
+    )
+    events.add_argument(
+        "--kv-events-replay", metavar="ENDPOINT", help="ROUTER endpoint answering replay requests"
+    )
+    events.add_argument(
+        "--kv-events-topic", metavar="T", default="", help="topic frame, e.g. kv@pod@model ('')"
+    )
+    events.add_argument(
+        "--kv-events-encoding",
+        choices=("map", "array"),
+        default="map",
+        help="events as tagged maps (current vLLM) or tagged arrays (older vLLM, llm-d) (map)",
+    )
+    events.add_argument(
+        "--kv-events-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to SECONDS for a first subscriber before simulating (0)",
+    )
     return parser
 
 
@@ -284,6 +316,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             f"unknown trace {args.trace!r}: not a preset ({', '.join(TRACES)}) nor a .jsonl file"
         )
 
+    publisher = _kv_event_publisher(args, config)
     show = not args.quiet and sys.stderr.isatty()
     bars: list[ProgressBar] = []
 
@@ -294,10 +327,18 @@ def _run_simulate(args: argparse.Namespace) -> int:
         return bars[-1].update
 
     try:
-        result = simulate(trace, config, trace_name=name, on_finish=progress)
+        sink = publisher.publish_from if publisher is not None else None
+        result = simulate(trace, config, trace_name=name, on_finish=progress, event_sink=sink)
     finally:
         if bars:
             bars[-1].close()
+        if publisher is not None:
+            publisher.close()
+            print(
+                f"kv events: {publisher.sent} batches sent on {publisher.endpoint}, "
+                f"{publisher.dropped} dropped",
+                file=sys.stderr,
+            )
     print(format_json(result) if args.json else format_table(result))
     if args.plot is not None:
         from pagedkv.simulate.plot import write_plot
@@ -309,6 +350,41 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _kv_event_publisher(
+    args: argparse.Namespace, config: SimulationConfig
+) -> KVEventPublisher | None:
+    """The publisher `--kv-events` asks for (None without it), its first subscriber awaited."""
+    if args.kv_events is None:
+        if args.kv_events_replay is not None or args.kv_events_topic:
+            raise _UsageError("--kv-events-replay and --kv-events-topic need --kv-events")
+        return None
+    if "paged" not in config.systems:
+        raise _UsageError(
+            "--kv-events publishes the paged system's events: include it in --systems"
+        )
+    if importlib.util.find_spec("zmq") is None or importlib.util.find_spec("msgpack") is None:
+        raise _UsageError("--kv-events needs pyzmq and msgpack: pip install 'pagedkv[events]'")
+    if not args.kv_events_wait >= 0:
+        raise _UsageError(f"--kv-events-wait must not be negative, got {args.kv_events_wait}")
+    from pagedkv.events import KVEventPublisher
+
+    try:
+        publisher = KVEventPublisher(
+            args.kv_events,
+            block_size=config.block_size,
+            topic=args.kv_events_topic,
+            replay_endpoint=args.kv_events_replay,
+            encoding=args.kv_events_encoding,
+        )
+    except OSError as exc:
+        raise _UsageError(str(exc)) from None
+    if args.kv_events_wait > 0 and not publisher.wait_for_subscribers(1, args.kv_events_wait):
+        print(
+            f"kv events: no subscriber after {args.kv_events_wait:g} s, going on", file=sys.stderr
+        )
+    return publisher
 
 
 class _UsageError(Exception):

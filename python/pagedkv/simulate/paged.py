@@ -7,7 +7,7 @@ empty slots of held blocks into reserved and internal fragmentation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +24,8 @@ VOCAB = 32000  # token ids are drawn below this; any value works, only equality 
 # and otherwise continues a uniformly chosen beam of the same request (a fork of it). This is
 # our assumption of how often beams are overtaken; it sets how much history beams share.
 BEAM_KEEP_PROBABILITY = 0.5
+
+EventSink = Callable[[BlockManager], None]  # called after each step, e.g. publish_from
 
 
 def _output_tokens(
@@ -66,7 +68,8 @@ class PagedSystem:
     per sample or beam, so the prompt's full blocks are shared; beams fork each other as
     they advance (see BEAM_KEEP_PROBABILITY). Prefix caching is on, so requests that share a
     `prefix_id` share those blocks too. Admission asks `can_allocate` (which keeps the
-    manager's watermark free for the growth of running sequences).
+    manager's watermark free for the growth of running sequences). `event_sink(manager)`,
+    if given, runs after each step with events on (`pagedkv simulate --kv-events`).
     """
 
     def __init__(
@@ -79,12 +82,18 @@ class PagedSystem:
         seed: int,
         watermark: float = 0.01,
         name: str = "paged",
+        event_sink: EventSink | None = None,
     ) -> None:
         self.name = name
+        self._event_sink = event_sink
         self.block_size = block_size
         self.capacity = num_blocks * block_size
         self.manager = BlockManager(
-            num_blocks, block_size, enable_prefix_caching=True, watermark=watermark
+            num_blocks,
+            block_size,
+            enable_prefix_caching=True,
+            watermark=watermark,
+            enable_events=event_sink is not None,
         )
         self._prompt = PromptTokens(trace, seed)
         self._beam = beam
@@ -169,6 +178,8 @@ class PagedSystem:
             )
             try:
                 self.manager.step(ids, _output_tokens(ids, positions))
+                if self._event_sink is not None:
+                    self._event_sink(self.manager)
                 return preempted
             except OutOfBlocks:
                 if len(batch) == 1:

@@ -19,7 +19,7 @@ from pagedkv.simulate.contiguous import (
 from pagedkv.simulate.engine import KVSystem, run
 from pagedkv.simulate.errors import ConfigError
 from pagedkv.simulate.metrics import SystemMetrics
-from pagedkv.simulate.paged import PagedSystem
+from pagedkv.simulate.paged import EventSink, PagedSystem
 from pagedkv.simulate.presets import GpuPreset, ModelPreset
 from pagedkv.simulate.timing import StepTimeModel
 from pagedkv.simulate.trace import Request
@@ -156,8 +156,13 @@ class SimulationResult:
         }
 
 
-def build_system(key: str, trace: Sequence[Request], config: SimulationConfig) -> KVSystem:
-    """A fresh system `key` over the configured KV memory."""
+def build_system(
+    key: str,
+    trace: Sequence[Request],
+    config: SimulationConfig,
+    event_sink: EventSink | None = None,
+) -> KVSystem:
+    """A fresh system `key` over the configured KV memory (`event_sink`: see PagedSystem)."""
     if key == "paged":
         return PagedSystem(
             config.num_blocks,
@@ -167,6 +172,7 @@ def build_system(key: str, trace: Sequence[Request], config: SimulationConfig) -
             seed=config.seed,
             watermark=config.watermark,
             name=SYSTEMS[key],
+            event_sink=event_sink,
         )
     space = ALLOCATORS[config.allocator](config.capacity)
     return ContiguousSystem(SYSTEMS[key], space, _POLICIES[key], config.max_len)
@@ -178,11 +184,13 @@ def simulate(
     *,
     trace_name: str = "trace",
     on_finish: Callable[[str], Callable[[int], None] | None] | None = None,
+    event_sink: EventSink | None = None,
 ) -> SimulationResult:
     """Run every configured system through `trace` (sorted by arrival).
 
     `on_finish(label)` may return a callback told how many requests finish at each step
-    (for a progress bar).
+    (for a progress bar). `event_sink`, if given, gets the paged system's KV events after
+    each step (`pagedkv simulate --kv-events`).
     """
     if any(a.arrival > b.arrival for a, b in itertools.pairwise(trace)):
         raise ConfigError("the trace must be sorted by arrival time")
@@ -194,7 +202,7 @@ def simulate(
         )
     results = []
     for key in config.systems:
-        system = build_system(key, trace, config)
+        system = build_system(key, trace, config, event_sink)
         results.append(
             run(
                 system,

@@ -1,0 +1,128 @@
+"""The real manager's events on the wire: the stream's index equals the manager's tiers.
+
+Written against the KV lifecycle contract (stored = computed, two-phase swaps, `Event.medium`,
+`BlockManager.registered_hashes(medium)`, `BlockManager.events_enabled`).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kv_events_decoder import Subscriber
+
+from pagedkv import BlockManager, OutOfBlocks
+from pagedkv.events import KVEventPublisher
+
+MASK = 2**64 - 1
+BS = 4
+
+
+def truth(mgr: BlockManager, medium: str) -> set[int]:
+    return {h & MASK for h in mgr.registered_hashes(medium)}
+
+
+def test_from_manager_needs_events_and_the_same_block_size() -> None:
+    with pytest.raises(ValueError, match="enable_events=True"):
+        KVEventPublisher.from_manager(BlockManager(8, BS), "tcp://127.0.0.1:*")
+    mgr = BlockManager(8, BS, enable_events=True)
+    with KVEventPublisher.from_manager(mgr, "tcp://127.0.0.1:*") as pub:
+        assert pub.block_size == BS
+        with pytest.raises(ValueError, match="block size 2 is not the publisher's 4"):
+            pub.publish_from(BlockManager(8, 2, enable_events=True))
+
+
+class Engine:
+    """A continuous-batching loop with shared prefixes, forks, swaps, evictions and resets."""
+
+    def __init__(self, mgr: BlockManager, seed: int) -> None:
+        self.mgr, self.rng = mgr, random.Random(seed)
+        self.running: list[int] = []
+        self.swapped: list[int] = []
+        self.next_id = 0
+        self.prefixes = [[self.rng.randrange(1000) for _ in range(3 * BS)] for _ in range(4)]
+        self.seen = {"swap_out": 0, "swap_in": 0, "fork": 0, "reset": 0, "preempt": 0}
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def step(self) -> None:
+        mgr, rng = self.mgr, self.rng
+        if rng.random() < 0.5:  # admit a request sharing a prefix
+            sid = self.new_id()
+            prompt = rng.choice(self.prefixes)[: rng.randrange(1, 3 * BS + 1)]
+            prompt += [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
+            try:
+                reused = mgr.allocate(sid, prompt)
+                mgr.plan([sid], [len(prompt) - reused])
+                self.running.append(sid)
+            except OutOfBlocks:
+                pass
+        if self.running and rng.random() < 0.1:
+            child = self.new_id()
+            mgr.fork(rng.choice(self.running), child)
+            self.running.append(child)
+            self.seen["fork"] += 1
+        if self.running and rng.random() < 0.08:
+            sid = rng.choice(self.running)
+            try:
+                mgr.swap_out([sid])
+                mgr.confirm_swap_out([sid])
+                self.running.remove(sid)
+                self.swapped.append(sid)
+                self.seen["swap_out"] += 1
+            except OutOfBlocks:
+                pass
+        if self.swapped and rng.random() < 0.15:
+            sid = self.swapped[0]
+            try:
+                mgr.swap_in([sid])
+                mgr.confirm_swap_in([sid])
+                self.swapped.remove(sid)
+                self.running.append(sid)
+                self.seen["swap_in"] += 1
+            except OutOfBlocks:
+                pass
+        while self.running:
+            try:
+                mgr.step(self.running, [rng.randrange(1000) for _ in self.running])
+                break
+            except OutOfBlocks:
+                mgr.free(self.running.pop())
+                self.seen["preempt"] += 1
+        for sid in list(self.running):
+            if rng.random() < 0.06:
+                mgr.free(sid)
+                self.running.remove(sid)
+        if self.swapped and rng.random() < 0.02:
+            mgr.free(self.swapped.pop())
+        if rng.random() < 0.01:
+            mgr.reset_prefix_cache()
+            self.seen["reset"] += 1
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_stream_index_equals_manager_tiers_after_every_step(encoding: str) -> None:
+    mgr = BlockManager(40, BS, num_cpu_blocks=40, enable_events=True)
+    engine = Engine(mgr, seed=11)
+    with KVEventPublisher.from_manager(
+        mgr, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", encoding=encoding
+    ) as pub:
+        sub = Subscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        assert pub.wait_for_subscribers(1, timeout=10)
+        try:
+            for _ in range(1500):
+                engine.step()
+                events = mgr.take_events()
+                pub.publish(events)
+                if events:
+                    sub.follow()
+                assert sub.index.tier("GPU") == truth(mgr, "GPU")
+                assert sub.index.tier("CPU") == truth(mgr, "CPU")
+                mgr.check()
+            assert sub.gaps == 0 and [b.seq for b in sub.batches] == list(range(pub.sent))
+        finally:
+            sub.close()
+    assert all(count > 0 for count in engine.seen.values()), engine.seen
+    assert mgr.stats().evictions > 0
