@@ -1,8 +1,8 @@
 """Continuous-batching decode loop: pagedkv.BlockManager against the Python reference manager.
 
 Both managers serve the same seeded, ShareGPT-like trace in the same run: admission with a
-prefix lookup (can_allocate, then allocate, then the prefill's plan), one decode token per running sequence per step via
-step() (which builds the attention plan), preemption by recomputation when a step runs out of
+prefix lookup (can_allocate, then allocate, then the prefill's plan), one decode token per
+running sequence per step via step() (which builds the attention plan), preemption by recomputation when a step runs out of
 blocks, and free on finish. The timed region is the step() call alone; total loop time is
 reported too. The semantics are deterministic, so both runs must make identical decisions:
 the bench asserts equal prefix-hit counts, step counts and plan digests.

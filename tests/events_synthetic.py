@@ -2,7 +2,8 @@
 
 `SyntheticEngine.step()` returns events with the fields of `pagedkv.Event` (kind, block_hash,
 parent_hash, token_ids, medium, block_id) following API.md's semantics: stored/removed per
-block and tier, and `cleared` dropping the GPU tier only. `truth` is the set of (medium, hash).
+block and tier, and `cleared` dropping both tiers (as `reset_prefix_cache` does). `truth` is
+the set of (medium, hash).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class SyntheticEngine:
                 self.truth.discard(("CPU", h))
             elif action >= 0.97:  # reset_prefix_cache: GPU registrations only
                 events.append(FakeEvent("cleared"))
-                self.truth = {(m, h) for m, h in self.truth if m == "CPU"}
+                self.truth = set()
         return events
 
     def wire_truth(self, medium: str) -> set[int]:

@@ -46,7 +46,7 @@ def expected_indexes(trace_path: Path) -> list[set[int]]:
 
     def record(mgr: BlockManager) -> None:
         if mgr.take_events():
-            after_steps.append({h & MASK for h in mgr.registered_hashes("GPU")})
+            after_steps.append({h & MASK for h in mgr.stored_hashes("GPU")})
 
     simulate(trace, config, event_sink=record)
     return after_steps

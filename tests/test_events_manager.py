@@ -1,7 +1,7 @@
 """The real manager's events on the wire: the stream's index equals the manager's tiers.
 
 Written against the KV lifecycle contract (stored = computed, two-phase swaps, `Event.medium`,
-`BlockManager.registered_hashes(medium)`, `BlockManager.events_enabled`).
+`BlockManager.stored_hashes(medium)`, `BlockManager.events_enabled`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ BS = 4
 
 
 def truth(mgr: BlockManager, medium: str) -> set[int]:
-    return {h & MASK for h in mgr.registered_hashes(medium)}
+    return {h & MASK for h in mgr.stored_hashes(medium)}
 
 
 def test_from_manager_needs_events_and_the_same_block_size() -> None:
@@ -121,6 +121,7 @@ def test_stream_index_equals_manager_tiers_after_every_step(encoding: str) -> No
                 assert sub.index.tier("GPU") == truth(mgr, "GPU")
                 assert sub.index.tier("CPU") == truth(mgr, "CPU")
                 mgr.check()
+            pub.close()  # joins the sender, so `sent` counts every batch
             assert sub.gaps == 0 and [b.seq for b in sub.batches] == list(range(pub.sent))
         finally:
             sub.close()

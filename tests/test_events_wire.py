@@ -11,7 +11,6 @@ from pagedkv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    SwapTierMirror,
     encode_batch,
     to_wire,
     wire_hash,
@@ -137,30 +136,13 @@ def test_decoder_rejects_what_routers_cannot_read() -> None:
             decode_payload(0, msgpack.packb(body))
 
 
-def test_mirror_reannounces_cpu_blocks_after_cleared() -> None:
-    mirror = SwapTierMirror()
-    first = [stored(1, None, "CPU"), stored(2, 1, "CPU"), stored(3, None), stored(4, 3, "CPU")]
-    assert mirror.follow(first) is first  # nothing to add: the same list, no copy
-    second = [FakeEvent("removed", 4, medium="CPU"), FakeEvent("cleared"), stored(5, None)]
-    out = mirror.follow(second)
-    assert [(e.kind, e.block_hash, e.medium) for e in out] == [
-        ("removed", 4, "CPU"),
-        ("cleared", None, "GPU"),
-        ("stored", 1, "CPU"),
-        ("stored", 2, "CPU"),
-        ("stored", 5, "GPU"),
-    ]
-    mirror.forget()
-    assert list(mirror.follow([FakeEvent("cleared")])) == [FakeEvent("cleared")]
-
-
 def test_fold_of_grouped_stream_equals_synthetic_truth() -> None:
-    engine, mirror, index = SyntheticEngine(block_size=3, seed=4), SwapTierMirror(), Index()
+    engine, index = SyntheticEngine(block_size=3, seed=4), Index()
     cleared = 0
     for seq in range(3000):
         events = engine.step()
         cleared += any(e.kind == "cleared" for e in events)
-        wire = to_wire(mirror.follow(events), 3)
+        wire = to_wire(events, 3)
         index.apply(decode_payload(seq, encode_batch(0.0, wire)))
         for medium in ("GPU", "CPU"):
             assert index.tier(medium) == engine.wire_truth(medium)

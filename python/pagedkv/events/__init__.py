@@ -8,7 +8,6 @@ Needs the `events` extra: `pip install 'pagedkv[events]'` (pyzmq and msgpack).
 from pagedkv.events.chains import CoreEvent, to_wire
 from pagedkv.events.publisher import KVEventPublisher, binds
 from pagedkv.events.replay import END_SEQ, ReplayBuffer
-from pagedkv.events.swap_tier import SwapTierMirror
 from pagedkv.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -28,7 +27,6 @@ __all__ = [
     "Encoding",
     "KVEventPublisher",
     "ReplayBuffer",
-    "SwapTierMirror",
     "WireEvent",
     "binds",
     "encode_batch",

@@ -21,7 +21,6 @@ import zmq
 
 from pagedkv.events.chains import CoreEvent, to_wire
 from pagedkv.events.replay import ReplayBuffer, answer_request
-from pagedkv.events.swap_tier import SwapTierMirror
 from pagedkv.events.wire import ENCODINGS, AllBlocksCleared, Encoding, encode_batch
 
 if TYPE_CHECKING:
@@ -210,7 +209,6 @@ class KVEventPublisher:
             self._error = exc
 
     def _loop(self) -> None:
-        mirror = SwapTierMirror()
         topic = self.topic.encode()
         poller = zmq.Poller()
         poller.register(self._pub, zmq.POLLIN)
@@ -229,9 +227,7 @@ class KVEventPublisher:
             ts, events, lost = item
             resync = resync or lost
             try:
-                if resync:
-                    mirror.forget()
-                wire = to_wire(mirror.follow(events), self.block_size)
+                wire = to_wire(events, self.block_size)
                 if resync:
                     wire.insert(0, AllBlocksCleared())
                 payload = encode_batch(ts, wire, self.data_parallel_rank, self.encoding)

@@ -7,6 +7,7 @@ empty slots of held blocks into reserved and internal fragmentation.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -94,6 +95,8 @@ class PagedSystem:
             enable_prefix_caching=True,
             watermark=watermark,
             enable_events=event_sink is not None,
+            # Seeded, so a run's block hashes (and the events that carry them) are reproducible.
+            hash_key=hashlib.blake2b(f"pagedkv simulate {seed}".encode(), digest_size=32).digest(),
         )
         self._prompt = PromptTokens(trace, seed)
         self._beam = beam
