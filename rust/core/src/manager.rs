@@ -445,11 +445,14 @@ impl BlockManager {
             no_gap(id, s, s.tokens.len())?;
             nnz += self.bs.pages(s.tokens.len() + 1);
         }
+        // Every auto-commit first: one may complete a copy whose source is another member's
+        // tail, which then needs no copy-on-write.
+        for &id in seqs {
+            self.auto_commit(batch.get(id).expect("validated above"));
+        }
         let mut needed = 0;
         for &id in seqs {
-            let s = batch.get(id).expect("validated above");
-            self.auto_commit(s);
-            needed += self.blocks_to_append(s, 1);
+            needed += self.blocks_to_append(batch.get(id).expect("validated above"), 1);
         }
         self.reserve_gpu(needed)?;
         plan.begin(seqs.len(), nnz, seqs.len());
@@ -1620,6 +1623,24 @@ mod tests {
         let st = mgr.stats();
         assert_eq!((st.num_held, st.stored_tokens), (0, 0));
         assert_eq!(st.num_cached, 1, "block 0 was computed and registered");
+    }
+
+    #[test]
+    fn a_step_commits_every_member_before_counting_blocks() {
+        let mgr = manager(3, 4, |_| {});
+        mgr.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.fork(1, 2).unwrap();
+        let mut plan = Plan::new();
+        mgr.step(&[2], &[7], &mut plan).unwrap();
+        assert_eq!(plan.copies, vec![1, 2]);
+        assert_eq!(mgr.stats().num_free, 0);
+        // Sequence 2's auto-commit completes its copy, so sequence 1's tail (block 1) is its
+        // own again and needs no copy: the full pool is enough, in either batch order.
+        mgr.step(&[1, 2], &[7, 8], &mut plan).unwrap();
+        assert!(plan.copies.is_empty());
+        assert_eq!(mgr.block_table(1).unwrap(), vec![0, 1]);
+        mgr.check().unwrap();
     }
 
     #[test]
