@@ -818,7 +818,11 @@ impl BlockManager {
                 hold(&mut gpu_refs, block, Some(bs.fill(i, len)))?;
                 let state = gpu.states[block as usize];
                 if state.hashed() {
-                    if (i + 1) * bs.get() > s.computed || s.swap_in_pending() {
+                    // A block still waiting for this sequence's copy-in may be registered
+                    // only through another holder whose swap-in (of the same block) was
+                    // confirmed.
+                    let unconfirmed = s.swap_in_pending() && state.refcount() == 1;
+                    if (i + 1) * bs.get() > s.computed || unconfirmed {
                         return Err(err(format!(
                             "block {block} is shared but its KV is not computed"
                         )));
@@ -1725,6 +1729,25 @@ mod tests {
         );
         assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 2);
         mgr.fork(1, 3).unwrap();
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn confirming_one_of_two_swapped_in_sharers_registers_their_blocks() {
+        let mgr = manager(8, 2, |c| c.num_cpu_blocks = 4);
+        mgr.allocate(1, &[1, 2, 3], None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.fork(1, 2).unwrap();
+        mgr.swap_out(&[1, 2]).unwrap();
+        mgr.confirm_swap_out(&[1, 2]).unwrap();
+        mgr.reset_prefix_cache();
+        let pairs = mgr.swap_in(&[1, 2]).unwrap();
+        assert_eq!(pairs.len(), 2);
+        mgr.confirm_swap_in(&[1]).unwrap();
+        // Block 0's copy-in is confirmed through sequence 1, though 2 still waits for its own.
+        assert_eq!(mgr.cached_prefix_blocks(&[1, 2, 3], None), 1);
+        mgr.check().unwrap();
+        mgr.confirm_swap_in(&[2]).unwrap();
         mgr.check().unwrap();
     }
 
