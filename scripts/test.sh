@@ -17,7 +17,8 @@ export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}"
 
 step() { printf '\n== %s\n' "$*"; }
 
-step "install (editable, with the test extra)"
+step "install: redis-server (the tier tests start private servers), then the test extra"
+command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 python3 -m pip install --quiet --disable-pip-version-check -e ".[test]"
 
 step "rust: fmt, clippy"

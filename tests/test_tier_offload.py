@@ -152,7 +152,10 @@ def test_saved_blocks_load_into_another_cache() -> None:
     mgr = StandInManager()
     with KVTier(store, "m", mgr, dst) as tier:
         assert tier.admit(0, TOKENS) == 5 * BS
+        # The confirmed loads come back as stored events: already in the store, not re-saved.
+        tier.offer(stored_events(mgr, list(range(20, 25))))
         stats = tier.stats()
+    assert stats.offered_blocks == 0
     assert mgr.loadable == 5 and mgr.confirmed == 5
     assert torch.equal(blocks(dst, list(range(20, 25))), blocks(src, ids))
     assert (stats.lookup_blocks, stats.hit_blocks, stats.miss_blocks) == (5, 5, 0)

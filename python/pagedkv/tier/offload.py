@@ -277,8 +277,11 @@ class KVTier:
         reused, load_ids = mgr.allocate_loading(seq_id, tokens, k + found, salt=salt)
         if len(load_ids):
             first = reused // mgr.block_size
-            loaded = self._load(hashes[first : first + len(load_ids)], np.asarray(load_ids))
+            wanted = hashes[first : first + len(load_ids)]
+            loaded = self._load(wanted, np.asarray(load_ids))
             mgr.confirm_loads(seq_id, loaded)
+            for h in wanted[:loaded]:  # already in the store: never saved back
+                self._remember(h)
         return mgr.num_computed(seq_id)
 
     def _lookup(self, hashes: list[int]) -> int:
