@@ -125,12 +125,17 @@ class _Engine:
         device: torch.device,
         store: Store | None = None,
         model_id: str = "",
+        hash_key: bytes | None = None,
     ) -> None:
         cfg = model.config
         dtype = next(model.parameters()).dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.mgr = BlockManager(
-            num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_events=store is not None
+            num_blocks,
+            block_size,
+            num_cpu_blocks=num_cpu_blocks,
+            hash_key=hash_key,
+            enable_events=store is not None,
         )
         layers = cfg.num_hidden_layers
         kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads  # None means MHA
@@ -357,12 +362,14 @@ def generate(
     device: torch.device | str | None = None,
     store: Store | None = None,
     model_id: str = "tiny-llama",
+    hash_key: bytes | None = None,
 ) -> GenerationResult:
     """Greedy continuous-batching generation of `requests` with `model`'s weights.
 
     `prefill_chunk` caps the prompt tokens a sequence brings to one step (prefix-cache hits are
     then looked up within its first chunk). `device` defaults to the model's. With a `store`,
-    computed blocks are saved there under `model_id` and admissions load what it holds.
+    computed blocks are saved there under `model_id` and admissions load what it holds; engines
+    share blocks only when they also share the manager's `hash_key` (32 bytes; None is random).
     """
     for req in requests:
         if not req.prompt or req.max_new_tokens < 1 or req.num_samples < 1:
@@ -381,6 +388,7 @@ def generate(
         device=dev,
         store=store,
         model_id=model_id,
+        hash_key=hash_key,
     )
     return engine.run()
 
@@ -410,6 +418,12 @@ def _main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
     parser.add_argument("--redis", metavar="URL", help="share computed blocks through Redis")
+    parser.add_argument(
+        "--hash-key",
+        metavar="HEX",
+        default="00" * 32,
+        help="the 32-byte prefix hash key, shared by every engine that shares blocks",
+    )
     args = parser.parse_args()
     store = None
     if args.redis:
@@ -424,7 +438,14 @@ def _main() -> None:
         Request(list(range(70, 95)), 10, arrival_step=1, num_samples=3),
         Request([7, 8, 9], 16, arrival_step=5),
     ]
-    result = generate(model, requests, backend=args.backend, block_size=16, store=store)
+    result = generate(
+        model,
+        requests,
+        backend=args.backend,
+        block_size=16,
+        store=store,
+        hash_key=bytes.fromhex(args.hash_key),
+    )
     for i, samples in enumerate(result.tokens):
         print(f"request {i}: {samples}")
     print(

@@ -3,78 +3,24 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
-
-
-@dataclass
-class RedisServer:
-    """A `redis-server` process this test owns."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def kill(self) -> None:
-        """Stop the server at once (SIGKILL), as a crash would."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def start_redis_server() -> RedisServer:
-    """Start a private server without persistence; it answers PING when this returns."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        message = "redis-server is not installed (scripts/test.sh installs it)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    for _ in range(5):  # another process may take the free port before the server binds it
-        port = _free_port()
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
-        process = subprocess.Popen(
-            [*args, "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 10
-        while process.poll() is None and time.monotonic() < deadline:
-            if _accepts(port):
-                return RedisServer(process, port)
-            time.sleep(0.02)
-        process.kill()
-        process.wait()
-    raise RuntimeError("redis-server did not start")
+from redis_server import RedisServer, start_redis_server
 
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
-    """A fresh, empty `redis-server` on a free port, killed after the test."""
-    server = start_redis_server()
+    """A fresh, empty `redis-server`, killed after the test.
+
+    Without the binary the test is skipped, except in CI (`CI` set), where it fails.
+    """
+    try:
+        server = start_redis_server()
+    except FileNotFoundError as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))
     try:
         yield server
     finally:

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import redis
 import torch
-from conftest import RedisServer
+from redis_server import RedisServer
 from test_llama_e2e import cb, greedy_reference
-from tier_node import OTHER_SYSTEM, SYSTEM, requests_for, run
+from tier_node import HASH_KEY, OTHER_SYSTEM, SYSTEM, requests_for, run
 
 from pagedkv import BlockManager
 from pagedkv.kv_cache import KVCache
@@ -123,7 +123,7 @@ def test_corrupt_value_is_recomputed(
 ) -> None:
     assert run("A", RedisStore(redis_server.url))["tokens"] == expected["A"]
     # Flip one byte of the payload of the system prompt's third block.
-    probe = BlockManager(8, 16)
+    probe = BlockManager(8, 16, hash_key=HASH_KEY)
     cache = KVCache(2, 1, 16, 2, 16, dtype=torch.float32)
     ns = Namespace("tiny-llama", block_spec(cache), probe.hash_key_fingerprint)
     key = ns.key(probe.block_hashes(SYSTEM)[2])
@@ -142,7 +142,7 @@ def test_corrupt_value_is_recomputed(
 
 def save_blocks(store: RedisStore, tokens: list[int], salt: str) -> tuple[KVCache, np.ndarray]:
     """Compute (here: fill at random) and commit `tokens` on one machine; save via its tier."""
-    mgr = BlockManager(32, 16, enable_events=True)
+    mgr = BlockManager(32, 16, hash_key=HASH_KEY, enable_events=True)
     cache = KVCache(2, 32, 16, 2, 8, dtype=torch.float32)
     for layer in range(cache.num_layers):
         cache.layer(layer).copy_(torch.randn(cache.layer(layer).shape))
@@ -161,10 +161,11 @@ def test_only_the_same_tenant_and_hash_key_hit(redis_server: RedisServer) -> Non
     tokens = list(range(1, 51))  # 3 full blocks, all hittable
     src, src_table = save_blocks(store, tokens, salt="tenant-a")
     cases: list[tuple[bytes | None, str | None, int]] = [
-        (None, "tenant-a", 3),  # the same tenant: hits, and the KV is A's
-        (None, "tenant-b", 0),
-        (None, None, 0),
-        (bytes(range(32)), "tenant-a", 0),  # another hash key
+        (HASH_KEY, "tenant-a", 3),  # the same tenant: hits, and the KV is A's
+        (HASH_KEY, "tenant-b", 0),
+        (HASH_KEY, None, 0),
+        (bytes(32), "tenant-a", 0),  # another hash key
+        (None, "tenant-a", 0),  # a random hash key
     ]
     for hash_key, salt, hits in cases:
         mgr = BlockManager(32, 16, hash_key=hash_key)

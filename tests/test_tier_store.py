@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import redis
-from conftest import RedisServer
+from redis_server import RedisServer
 
 from pagedkv.tier import BlockSpec, CorruptValue, MemoryStore, Namespace, StoreError, StoreTimeout
 from pagedkv.tier.codec import HEADER_SIZE, decode, encode

@@ -17,6 +17,7 @@ from test_llama_e2e import cb
 from pagedkv.tier.redis_store import RedisStore
 
 BLOCK_SIZE = 16
+HASH_KEY = bytes(range(32))  # shared by both machines: hashes must agree across processes
 SYSTEM = [(7 * i + 3) % 120 + 1 for i in range(96)]  # 6 full blocks
 OTHER_SYSTEM = [(11 * i + 5) % 120 + 1 for i in range(64)]  # 4 full blocks
 
@@ -43,7 +44,13 @@ def run(role: str, store: Any) -> dict[str, Any]:
     model = cb.tiny_llama(seed=0)
     reqs = requests_for(role)
     result = cb.generate(
-        model, reqs, block_size=BLOCK_SIZE, num_blocks=64, backend="torch", store=store
+        model,
+        reqs,
+        block_size=BLOCK_SIZE,
+        num_blocks=64,
+        backend="torch",
+        store=store,
+        hash_key=HASH_KEY,
     )
     return {
         "tokens": [samples[0] for samples in result.tokens],

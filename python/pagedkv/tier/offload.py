@@ -38,7 +38,7 @@ class TieredManager(Protocol):
     @property
     def block_size(self) -> int: ...
     @property
-    def hash_key_fingerprint(self) -> str: ...
+    def hash_key_fingerprint(self) -> str | None: ...
     def block_hashes(self, token_ids: Any, *, salt: bytes | str | None = None) -> list[int]: ...
     def cached_prefix_blocks(self, token_ids: Any, *, salt: bytes | str | None = None) -> int: ...
     def allocate_loading(
@@ -123,6 +123,9 @@ class KVTier:
             raise ValueError(
                 f"manager block size {manager.block_size} != cache block size {cache.block_size}"
             )
+        fingerprint = manager.hash_key_fingerprint
+        if fingerprint is None:
+            raise ValueError("an external KV tier needs a manager with prefix caching enabled")
         for name, value in (("timeout", timeout), ("save_timeout", save_timeout)):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -132,7 +135,7 @@ class KVTier:
         self.manager = manager
         self.cache = cache
         self.spec = block_spec(cache)
-        self.namespace = Namespace(model_id, self.spec, manager.hash_key_fingerprint)
+        self.namespace = Namespace(model_id, self.spec, fingerprint)
         self.timeout = timeout
         self.save_timeout = save_timeout
         self.max_pending_blocks = max_pending_blocks
