@@ -94,7 +94,7 @@ class KillingStore:
     def exists_prefix(self, keys: Sequence[bytes], timeout: float) -> int:
         return self.inner.exists_prefix(keys, timeout)
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], timeout: float) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], timeout: float) -> None:
         self.inner.put_many(items, timeout)
 
     def get_many(self, keys: Sequence[bytes], timeout: float) -> list[bytes | None]:

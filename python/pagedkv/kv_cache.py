@@ -197,27 +197,49 @@ class KVCache:
             for t in self._layers:
                 t[d] = t[s]
 
-    def read_blocks(self, block_ids: npt.NDArray[Any]) -> HostBlocks:
+    def read_blocks(
+        self, block_ids: npt.NDArray[Any], out: torch.Tensor | None = None
+    ) -> HostBlocks:
         """Copy blocks to host memory: `[n, layers, 2, block_size, kv_heads, head_dim]`.
 
-        On CUDA the copy is enqueued on the current stream into pinned memory and this returns
-        at once, without a device sync; the result is `ready()` once the copy landed. Work
-        enqueued later (say, a step that overwrites a block) cannot change what it reads.
+        `out`, when given, is that host tensor (each `out[i]` contiguous; blocks may lie apart,
+        say behind room for a header); pin it for an async copy from CUDA. On CUDA the copy is
+        enqueued on the current stream and this returns at once, without a device sync; the
+        result is `ready()` once the copy landed. Work enqueued later (say, a step that
+        overwrites a block) cannot change what it reads.
         """
         ids = self._block_ids(block_ids)
         shape = (ids.size, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-        pinned = self.device.type == "cuda"
-        host = torch.empty(shape, dtype=self.dtype, pin_memory=pinned)
+        cuda = self.device.type == "cuda"
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, pin_memory=cuda)
+        elif (
+            tuple(out.shape) != shape
+            or out.dtype != self.dtype
+            or out.device.type != "cpu"
+            or not all(out[i].is_contiguous() for i in range(ids.size))
+        ):
+            raise ValueError(
+                f"out must be a host {self.dtype} tensor {shape} with contiguous blocks, "
+                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
         if ids.size:
             idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
-            # One contiguous device gather, so the host copy is a single async transfer.
-            gathered = torch.stack([t.index_select(0, idx) for t in self._layers], dim=1)
-            host.copy_(gathered, non_blocking=pinned)
+            # On CUDA, gathered on the device first: contiguous device-to-host copies stay
+            # async (a strided host target would force a sync).
+            staging = torch.empty(shape, dtype=self.dtype, device=self.device) if cuda else out
+            for layer, t in enumerate(self._layers):
+                staging[:, layer].copy_(t.index_select(0, idx))
+            if cuda and out.is_contiguous():
+                out.copy_(staging, non_blocking=True)
+            elif cuda:
+                for i in range(ids.size):
+                    out[i].copy_(staging[i], non_blocking=True)
         event = None
-        if pinned:
+        if cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
-        return HostBlocks(host, event)
+        return HostBlocks(out, event)
 
     def write_blocks(self, block_ids: npt.NDArray[Any], host: torch.Tensor) -> None:
         """Fill blocks from `host`, shaped as `read_blocks` returns, enqueued on this device.

@@ -2,8 +2,11 @@
 
 Layout (little-endian): magic `b"PKVB"`, format version (u16), dtype code (u8), one zero byte,
 layers, block size, KV heads, head dim (u32 each), payload length (u64), CRC-32 of the payload
-(u32), the block's 128-bit chain hash; then the payload, `[layers, 2, block_size, kv_heads,
-head_dim]` of the dtype (index 0 of the second dimension is K, 1 is V).
+(u32), the block's 128-bit chain hash, zero padding to 64 bytes; then the payload,
+`[layers, 2, block_size, kv_heads, head_dim]` of the dtype (index 0 of the second dimension is
+K, 1 is V). The padding keeps the payload aligned for every dtype, so a block can be copied
+straight into place behind room left for its header (`encode_into`): building a value copies
+nothing.
 
 A value is only KV when every header field matches what the reader expects, the length is
 exact and the checksum agrees; anything else is `CorruptValue` (a miss, never KV). The chain
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 MAGIC = b"PKVB"
 FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHBx4IQI16s")
+_HEADER = struct.Struct("<4sHBx4IQI16s12x")
 HEADER_SIZE = _HEADER.size
 _HASH_MASK = (1 << 128) - 1
 
@@ -73,13 +76,19 @@ class BlockSpec:
         return elems * DTYPES[self.dtype][1]
 
 
-def header(spec: BlockSpec, block_hash: int, payload: bytes | memoryview) -> bytes:
-    """The header for `payload`, the block `block_hash` of `spec`."""
-    if len(payload) != spec.payload_size:
+def encode_into(spec: BlockSpec, block_hash: int, value: memoryview) -> None:
+    """Write the header of block `block_hash` into `value`, whose payload is in place already.
+
+    `value` is writable, `HEADER_SIZE` bytes of room followed by the payload.
+    """
+    payload_len = len(value) - HEADER_SIZE
+    if payload_len != spec.payload_size:
         raise ValueError(
-            f"payload has {len(payload)} bytes, a block of {spec} has {spec.payload_size}"
+            f"payload has {payload_len} bytes, a block of {spec} has {spec.payload_size}"
         )
-    return _HEADER.pack(
+    _HEADER.pack_into(
+        value,
+        0,
         MAGIC,
         FORMAT_VERSION,
         spec.dtype_code,
@@ -88,14 +97,16 @@ def header(spec: BlockSpec, block_hash: int, payload: bytes | memoryview) -> byt
         spec.num_kv_heads,
         spec.head_dim,
         spec.payload_size,
-        zlib.crc32(payload),
+        zlib.crc32(value[HEADER_SIZE:]),
         (block_hash & _HASH_MASK).to_bytes(16, "little"),
     )
 
 
 def encode(spec: BlockSpec, block_hash: int, payload: bytes | memoryview) -> bytes:
-    """The stored value of block `block_hash`: header, then `payload`."""
-    return b"".join((header(spec, block_hash, payload), payload))
+    """The stored value of block `block_hash`: header, then `payload` (a copy of it)."""
+    value = bytearray(HEADER_SIZE) + payload
+    encode_into(spec, block_hash, memoryview(value))
+    return bytes(value)
 
 
 def decode(spec: BlockSpec, block_hash: int, value: bytes) -> memoryview:

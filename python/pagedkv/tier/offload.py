@@ -27,7 +27,7 @@ import numpy.typing as npt
 import torch
 
 from pagedkv.kv_cache import HostBlocks, KVCache
-from pagedkv.tier.codec import BlockSpec, CorruptValue, decode, encode
+from pagedkv.tier.codec import HEADER_SIZE, BlockSpec, CorruptValue, decode, encode_into
 from pagedkv.tier.namespace import Namespace
 from pagedkv.tier.store import Store, StoreError, StoreTimeout
 
@@ -89,7 +89,8 @@ class TierStats:
 @dataclass
 class _SaveBatch:
     hashes: list[int]
-    blocks: HostBlocks
+    values: torch.Tensor  # uint8 [n, HEADER_SIZE + payload]: header room, then the block
+    blocks: HostBlocks  # the copy into `values`, maybe in flight
 
 
 def block_spec(cache: KVCache) -> BlockSpec:
@@ -103,8 +104,9 @@ class KVTier:
 
     `model_id` names the weights (blocks are shared only between engines with equal model id,
     KV shape, dtype and hash key). `timeout` bounds each admission lookup and load (seconds),
-    `save_timeout` each background put. Call `close()` (or use it as a context manager) to
-    finish the saves in flight.
+    `save_timeout` each background put; `save_threads` threads encode and put concurrently, so
+    one batch's checksum overlaps another's network transfer. Call `close()` (or use it as a
+    context manager) to finish the saves in flight.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class KVTier:
         save_timeout: float = 5.0,
         max_pending_blocks: int = 1024,
         dedup_capacity: int = 1 << 16,
+        save_threads: int = 2,
     ) -> None:
         if manager.block_size != cache.block_size:
             raise ValueError(
@@ -129,8 +132,8 @@ class KVTier:
         for name, value in (("timeout", timeout), ("save_timeout", save_timeout)):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if max_pending_blocks < 1 or dedup_capacity < 1:
-            raise ValueError("max_pending_blocks and dedup_capacity must be >= 1")
+        if min(max_pending_blocks, dedup_capacity, save_threads) < 1:
+            raise ValueError("max_pending_blocks, dedup_capacity and save_threads must be >= 1")
         self.store = store
         self.manager = manager
         self.cache = cache
@@ -147,9 +150,12 @@ class KVTier:
         self._pending = 0  # blocks queued or being saved
         self._closing = False
         self._cond = threading.Condition()
-        self._saver = threading.Thread(target=self._save_loop, name="pagedkv-tier-saver")
-        self._saver.daemon = True
-        self._saver.start()
+        self._savers = [
+            threading.Thread(target=self._save_loop, name=f"pagedkv-tier-saver-{i}", daemon=True)
+            for i in range(save_threads)
+        ]
+        for saver in self._savers:
+            saver.start()
 
     # ---- counters
 
@@ -199,11 +205,23 @@ class KVTier:
         for _, h in taken:
             self._remember(h)
         ids = np.fromiter((b for b, _ in taken), dtype=np.int64, count=len(taken))
-        batch = _SaveBatch([h for _, h in taken], self.cache.read_blocks(ids))
+        batch = self._read(ids, [h for _, h in taken])
         self._count(offered_blocks=len(taken))
         with self._cond:
             self._queue.append(batch)
             self._cond.notify_all()
+
+    def _read(self, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
+        """Enqueue the copy of `block_ids` into values with room for their headers."""
+        c, n = self.cache, len(hashes)
+        values = torch.empty(
+            (n, HEADER_SIZE + self.spec.payload_size),
+            dtype=torch.uint8,
+            pin_memory=c.device.type == "cuda",
+        )
+        shape = (n, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
+        blocks = values[:, HEADER_SIZE:].view(c.dtype).view(shape)
+        return _SaveBatch(hashes, values, c.read_blocks(block_ids, out=blocks))
 
     def _remember(self, block_hash: int) -> None:
         self._offered[block_hash] = None
@@ -228,13 +246,14 @@ class KVTier:
     def _save(self, batch: _SaveBatch) -> None:
         n = len(batch.hashes)
         try:
-            raw = batch.blocks.ready().view(torch.uint8).numpy().reshape(n, -1)
-            keys = self.namespace.keys(batch.hashes)
-            items = [
-                (key, encode(self.spec, h, row.data))
-                for key, h, row in zip(keys, batch.hashes, raw, strict=True)
-            ]
-            self.store.put_many(items, self.save_timeout)
+            batch.blocks.ready()
+            values = [row.data for row in batch.values.numpy()]
+            for h, value in zip(batch.hashes, values, strict=True):
+                encode_into(self.spec, h, value)
+            self.store.put_many(
+                list(zip(self.namespace.keys(batch.hashes), values, strict=True)),
+                self.save_timeout,
+            )
         except Exception as e:  # a failed save only costs a later recomputation
             self._count(failed_saves=n)
             self._count_failure(e)
@@ -251,7 +270,8 @@ class KVTier:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._saver.join()
+        for saver in self._savers:
+            saver.join()
 
     def __enter__(self) -> KVTier:
         return self

@@ -77,7 +77,7 @@ class RedisStore:
 
         return self._call(timeout, op)
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], timeout: float) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], timeout: float) -> None:
         """Store every `(key, value)` pair (one pipeline of SET)."""
         if not items:
             return

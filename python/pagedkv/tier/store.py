@@ -28,7 +28,7 @@ class Store(Protocol):
         """How many of `keys`, from the first on, are all present (one round trip)."""
         ...
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], timeout: float) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], timeout: float) -> None:
         """Store every `(key, value)` pair (one round trip)."""
         ...
 
@@ -77,7 +77,7 @@ class MemoryStore:
         with self._lock:
             return leading_run([k in self.data for k in keys])
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], timeout: float) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], timeout: float) -> None:
         """Store every `(key, value)` pair."""
         self._enter(timeout)
         with self._lock:
