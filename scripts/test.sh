@@ -40,6 +40,7 @@ python3 -m mypy.stubtest pagedkv._core
 
 step "benchmark smoke run (figures only; targets are reported, not enforced)"
 python3 benches/bench_step.py --quick
+python3 benches/bench_tier.py --quick
 
 step "python: pytest"
 python3 -m pytest -q

@@ -229,7 +229,7 @@ class KVCache:
             # async (a strided host target would force a sync).
             staging = torch.empty(shape, dtype=self.dtype, device=self.device) if cuda else out
             for layer, t in enumerate(self._layers):
-                staging[:, layer].copy_(t.index_select(0, idx))
+                torch.index_select(t, 0, idx, out=staging[:, layer])
             if cuda and out.is_contiguous():
                 out.copy_(staging, non_blocking=True)
             elif cuda:

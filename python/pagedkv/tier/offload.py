@@ -324,7 +324,13 @@ class KVTier:
             values = self.store.get_many(self.namespace.keys(hashes), self.timeout)
             if len(values) != len(hashes):
                 raise StoreError(f"asked for {len(hashes)} values, got {len(values)}")
-            payloads = np.empty((len(hashes), self.spec.payload_size), dtype=np.uint8)
+            # Pinned on CUDA, so the copy into the cache is one async transfer.
+            staging = torch.empty(
+                (len(hashes), self.spec.payload_size),
+                dtype=torch.uint8,
+                pin_memory=self.cache.device.type == "cuda",
+            )
+            payloads = staging.numpy()
             ok = 0
             for h, value in zip(hashes, values, strict=True):
                 if value is None:
@@ -339,7 +345,7 @@ class KVTier:
             if ok:
                 c = self.cache
                 shape = (ok, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
-                host = torch.from_numpy(payloads[:ok]).view(self.cache.dtype).view(shape)
+                host = staging[:ok].view(self.cache.dtype).view(shape)
                 self.cache.write_blocks(block_ids[:ok], host)
         except Exception as e:  # the blocks are recomputed; the engine loop goes on
             self._count_failure(e)
