@@ -127,6 +127,25 @@ def test_read_blocks_is_a_snapshot() -> None:
     assert torch.equal(host.ready(), before)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_read_and_write_blocks_on_cuda() -> None:
+    src = KVCache(2, 32, BS, 2, 8, dtype=torch.float16, device="cuda")
+    for layer in range(src.num_layers):
+        src.layer(layer).normal_()
+    want = blocks(src, [5, 1, 30]).cpu()
+    # Into room behind a 64-byte header per block, as the tier reads them.
+    values = torch.empty((3, 64 + 2 * 2 * BS * 2 * 8 * 2), dtype=torch.uint8, pin_memory=True)
+    out = values[:, 64:].view(torch.float16).view(3, 2, 2, BS, 2, 8)
+    host = src.read_blocks(np.array([5, 1, 30]), out=out)
+    for layer in range(src.num_layers):
+        src.layer(layer).zero_()  # enqueued after the copy: must not show in it
+    assert torch.equal(host.ready(), want)
+    assert torch.equal(src.read_blocks(np.array([5])).ready(), torch.zeros_like(want[:1]))
+    src.write_blocks(np.array([7, 2, 9]), want)
+    assert torch.equal(blocks(src, [7, 2, 9]).cpu(), want)
+
+
 def test_read_and_write_blocks_reject_bad_input() -> None:
     cache = make_cache()
     with pytest.raises(ValueError, match=r"block ids must lie in \[0, 32\)"):
@@ -140,6 +159,8 @@ def test_read_and_write_blocks_reject_bad_input() -> None:
         cache.write_blocks(np.array([1, 2]), good.double())
     with pytest.raises(ValueError, match="appears twice"):
         cache.write_blocks(np.array([1, 1]), good)
+    with pytest.raises(ValueError, match="contiguous blocks"):
+        cache.read_blocks(np.array([1]), out=torch.zeros(1, 2, 2, BS, 2, 16)[..., ::2])
 
 
 # ---- write path
