@@ -5,9 +5,11 @@ holds whatever is ready: new prompts (prefill, in chunks if asked), prompts that
 cache (only their uncached tail is computed), and decoding sequences. Requests arrive and finish
 between steps; a request with `num_samples > 1` is forked after its prefill, and the first append
 to a shared partial block triggers copy-on-write. When the GPU pool runs out, the youngest
-sequences are swapped to a CPU cache and swapped back in later.
+sequences are swapped to a CPU cache and swapped back in later. With a `store`
+(`pagedkv.tier`), computed blocks are saved to it and prompts load the blocks it holds.
 
-Run it: ``python examples/continuous_batching.py`` (a small random Llama, no download).
+Run it: ``python examples/continuous_batching.py`` (a small random Llama, no download);
+``--redis redis://127.0.0.1:6379/0`` shares prefixes through a Redis server.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pagedkv import BlockManager, OutOfBlocks, Plan
 from pagedkv.attention import BackendName, PagedAttention
 from pagedkv.kv_cache import KVCache
+from pagedkv.tier import KVTier, Store, TierStats
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class GenerationResult:
     swapped_out_blocks: int = 0
     mixed_steps: int = 0
     max_batch_size: int = 0
+    tier: TierStats | None = None  # what the external KV tier did, when one was used
 
 
 @dataclass(eq=False)  # identity: two samples may hold equal state
@@ -119,11 +123,20 @@ class _Engine:
         prefill_chunk: int | None,
         backend: BackendName,
         device: torch.device,
+        store: Store | None = None,
+        model_id: str = "",
+        hash_key: bytes | None = None,
     ) -> None:
         cfg = model.config
         dtype = next(model.parameters()).dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.mgr = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        self.mgr = BlockManager(
+            num_blocks,
+            block_size,
+            num_cpu_blocks=num_cpu_blocks,
+            hash_key=hash_key,
+            enable_events=store is not None,
+        )
         layers = cfg.num_hidden_layers
         kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads  # None means MHA
         self.gpu = KVCache(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
@@ -148,6 +161,7 @@ class _Engine:
             sm_scale=head_dim**-0.5,
         )
         self.llama = PagedLlama(model, self.gpu, attn)
+        self.tier = KVTier(store, model_id, self.mgr, self.gpu) if store is not None else None
         self.device = device
         self.block_size = block_size
         self.requests = list(requests)
@@ -199,7 +213,10 @@ class _Engine:
             if not (self.mgr.can_allocate(first) and self._has_room(len(first))):
                 break
             seq = _Sequence(self._new_id(), r, 0, prompt, req.max_new_tokens)
-            seq.computed = self.mgr.allocate(seq.seq_id, first)
+            if self.tier is not None:  # GPU prefix hit, then the blocks the store holds
+                seq.computed = self.tier.admit(seq.seq_id, first)
+            else:
+                seq.computed = self.mgr.allocate(seq.seq_id, first)
             self.result.prefix_hit_tokens += seq.computed
             self.running.append(seq)
             admitted.append(seq)
@@ -280,6 +297,8 @@ class _Engine:
         input_ids = torch.tensor(tokens, device=self.device)
         last_rows = torch.tensor(plan.qo_indptr[1:] - 1, device=self.device, dtype=torch.int64)
         next_tokens = self.llama.forward(input_ids, plan, last_rows).argmax(dim=-1).tolist()
+        if self.tier is not None:  # save the blocks this step's commit made computed
+            self.tier.offer(self.mgr.take_events())
 
         self.result.steps += 1
         self.result.max_batch_size = max(self.result.max_batch_size, len(batch))
@@ -324,6 +343,10 @@ class _Engine:
         while self.waiting or self.running or self.swapped:
             self.step(step)
             step += 1
+        if self.tier is not None:
+            self.tier.offer(self.mgr.take_events())
+            self.tier.close()
+            self.result.tier = self.tier.stats()
         self.mgr.check()
         return self.result
 
@@ -339,11 +362,16 @@ def generate(
     prefill_chunk: int | None = None,
     backend: BackendName = "auto",
     device: torch.device | str | None = None,
+    store: Store | None = None,
+    model_id: str = "tiny-llama",
+    hash_key: bytes | None = None,
 ) -> GenerationResult:
     """Greedy continuous-batching generation of `requests` with `model`'s weights.
 
     `prefill_chunk` caps the prompt tokens a sequence brings to one step (prefix-cache hits are
-    then looked up within its first chunk). `device` defaults to the model's.
+    then looked up within its first chunk). `device` defaults to the model's. With a `store`,
+    computed blocks are saved there under `model_id` and admissions load what it holds; engines
+    share blocks only when they also share the manager's `hash_key` (32 bytes; None is random).
     """
     for req in requests:
         if not req.prompt or req.max_new_tokens < 1 or req.num_samples < 1:
@@ -360,6 +388,9 @@ def generate(
         prefill_chunk=prefill_chunk,
         backend=backend,
         device=dev,
+        store=store,
+        model_id=model_id,
+        hash_key=hash_key,
     )
     return engine.run()
 
@@ -388,7 +419,19 @@ def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    parser.add_argument("--redis", metavar="URL", help="share computed blocks through Redis")
+    parser.add_argument(
+        "--hash-key",
+        metavar="HEX",
+        default="00" * 32,
+        help="the 32-byte prefix hash key, shared by every engine that shares blocks",
+    )
     args = parser.parse_args()
+    store = None
+    if args.redis:
+        from pagedkv.tier.redis_store import RedisStore
+
+        store = RedisStore(args.redis)
     model = tiny_llama().to(args.device)
     shared = list(range(1, 40))
     requests = [
@@ -397,7 +440,14 @@ def _main() -> None:
         Request(list(range(70, 95)), 10, arrival_step=1, num_samples=3),
         Request([7, 8, 9], 16, arrival_step=5),
     ]
-    result = generate(model, requests, backend=args.backend, block_size=16)
+    result = generate(
+        model,
+        requests,
+        backend=args.backend,
+        block_size=16,
+        store=store,
+        hash_key=bytes.fromhex(args.hash_key),
+    )
     for i, samples in enumerate(result.tokens):
         print(f"request {i}: {samples}")
     print(
@@ -405,6 +455,8 @@ def _main() -> None:
         f"copied_blocks={result.copied_blocks} swapped_out_blocks={result.swapped_out_blocks} "
         f"mixed_steps={result.mixed_steps} max_batch={result.max_batch_size}"
     )
+    if result.tier is not None:
+        print(f"tier: {result.tier}")
 
 
 if __name__ == "__main__":

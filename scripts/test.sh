@@ -17,7 +17,8 @@ export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}"
 
 step() { printf '\n== %s\n' "$*"; }
 
-step "install (editable, with the test extra)"
+step "install: redis-server (the tier tests start private servers), then the test extra"
+command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 python3 -m pip install --quiet --disable-pip-version-check -e ".[test]"
 
 step "rust: fmt, clippy"
@@ -39,6 +40,7 @@ python3 -m mypy.stubtest pagedkv._core
 
 step "benchmark smoke run (figures only; targets are reported, not enforced)"
 python3 benches/bench_step.py --quick
+python3 benches/bench_tier.py --quick
 
 step "python: pytest"
 python3 -m pytest -q

@@ -197,6 +197,83 @@ class KVCache:
             for t in self._layers:
                 t[d] = t[s]
 
+    def read_blocks(
+        self, block_ids: npt.NDArray[Any], out: torch.Tensor | None = None
+    ) -> HostBlocks:
+        """Copy blocks to host memory: `[n, layers, 2, block_size, kv_heads, head_dim]`.
+
+        `out`, when given, is that host tensor (each `out[i]` contiguous; blocks may lie apart,
+        say behind room for a header); pin it for an async copy from CUDA. On CUDA the copy is
+        enqueued on the current stream and this returns at once, without a device sync; the
+        result is `ready()` once the copy landed. Work enqueued later (say, a step that
+        overwrites a block) cannot change what it reads.
+        """
+        ids = self._block_ids(block_ids)
+        shape = (ids.size, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        cuda = self.device.type == "cuda"
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, pin_memory=cuda)
+        elif (
+            tuple(out.shape) != shape
+            or out.dtype != self.dtype
+            or out.device.type != "cpu"
+            or not all(out[i].is_contiguous() for i in range(ids.size))
+        ):
+            raise ValueError(
+                f"out must be a host {self.dtype} tensor {shape} with contiguous blocks, "
+                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        if ids.size:
+            idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
+            # On CUDA, gathered on the device first: contiguous device-to-host copies stay
+            # async (a strided host target would force a sync).
+            staging = torch.empty(shape, dtype=self.dtype, device=self.device) if cuda else out
+            for layer, t in enumerate(self._layers):
+                torch.index_select(t, 0, idx, out=staging[:, layer])
+            if cuda and out.is_contiguous():
+                out.copy_(staging, non_blocking=True)
+            elif cuda:
+                for i in range(ids.size):
+                    out[i].copy_(staging[i], non_blocking=True)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        return HostBlocks(out, event)
+
+    def write_blocks(self, block_ids: npt.NDArray[Any], host: torch.Tensor) -> None:
+        """Fill blocks from `host`, shaped as `read_blocks` returns, enqueued on this device.
+
+        Do not modify `host` afterwards until the current stream has passed the copy.
+        """
+        ids = self._block_ids(block_ids)
+        shape = (ids.size, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(host.shape) != shape or host.dtype != self.dtype:
+            raise ValueError(
+                f"host blocks must be {self.dtype} {shape}, got {host.dtype} {tuple(host.shape)}"
+            )
+        if np.unique(ids).size != ids.size:
+            raise ValueError("write_blocks: a block id appears twice")
+        if not ids.size:
+            return
+        idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        src = host.to(self.device, non_blocking=True)
+        for layer, t in enumerate(self._layers):
+            t.index_copy_(0, idx, src[:, layer])
+
+    def _block_ids(self, block_ids: npt.NDArray[Any]) -> np.ndarray:
+        """`block_ids` validated as a 1-D int64 array of this cache's blocks."""
+        ids = np.asarray(block_ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"block ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        ids = ids.astype(np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(
+                f"block ids must lie in [0, {self.num_blocks}), "
+                f"got [{int(ids.min())}, {int(ids.max())}]"
+            )
+        return ids
+
     def swap_out(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> None:
         """Copy this cache's blocks to `cpu_cache` by the `(gpu, cpu)` pairs of `swap_out`."""
         _copy_between(self, cpu_cache, pairs, "swap_out pairs")
@@ -204,6 +281,20 @@ class KVCache:
     def swap_in(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> None:
         """Copy `cpu_cache`'s blocks into this cache by the `(cpu, gpu)` pairs of `swap_in`."""
         _copy_between(cpu_cache, self, pairs, "swap_in pairs")
+
+
+class HostBlocks:
+    """Blocks copied to host memory by `KVCache.read_blocks`, maybe still in flight."""
+
+    def __init__(self, data: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.data = data
+        self._event = event
+
+    def ready(self) -> torch.Tensor:
+        """`data`, once the copy has landed (waits for it and the work enqueued before it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self.data
 
 
 def _copy_between(src: KVCache, dst: KVCache, pairs: npt.NDArray[Any], name: str) -> None:

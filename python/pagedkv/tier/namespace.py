@@ -1,0 +1,68 @@
+"""Store keys: `pagedkv:v1:<namespace digest>:<32 hex digits of the block's chain hash>`.
+
+The namespace digest covers everything that makes two engines' KV interchangeable: the model
+id, the KV layout, dtype, block size, layers, KV heads, head dim and the fingerprint of the
+manager's hash key. Two engines share blocks exactly when all of these agree. Salts (tenants)
+are already inside the chain hash, so two tenants never share a key.
+
+>>> ns = Namespace("llama-7b", BlockSpec(32, 16, 8, 128, "float16"), "0123456789abcdef")
+>>> ns.key(255).decode()[-34:]
+':000000000000000000000000000000ff'
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from pagedkv.tier.codec import BlockSpec
+
+KEY_PREFIX = "pagedkv:v1:"
+KV_LAYOUT = "NHD"
+_HASH_MASK = (1 << 128) - 1
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """The key space of one model, KV shape and hash key."""
+
+    model_id: str
+    spec: BlockSpec
+    hash_key_fingerprint: str
+    layout: str = KV_LAYOUT
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")
+
+    @property
+    def digest(self) -> str:
+        """32 hex digits naming this namespace (BLAKE2b of its fields)."""
+        s = self.spec
+        fields = (
+            self.model_id,
+            self.layout,
+            s.dtype,
+            s.block_size,
+            s.num_layers,
+            s.num_kv_heads,
+            s.head_dim,
+            self.hash_key_fingerprint,
+        )
+        # Length-prefixed fields, so no two different tuples serialize alike.
+        text = "".join(f"{len(str(f))}:{f};" for f in fields)
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    @property
+    def prefix(self) -> bytes:
+        """What every key of this namespace starts with."""
+        return f"{KEY_PREFIX}{self.digest}:".encode()
+
+    def key(self, block_hash: int) -> bytes:
+        """The store key of the block whose 128-bit chain hash is `block_hash`."""
+        return self.prefix + f"{block_hash & _HASH_MASK:032x}".encode()
+
+    def keys(self, block_hashes: list[int]) -> list[bytes]:
+        """`key` of each hash, in order."""
+        prefix = self.prefix
+        return [prefix + f"{h & _HASH_MASK:032x}".encode() for h in block_hashes]

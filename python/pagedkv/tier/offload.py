@@ -1,0 +1,354 @@
+"""`KVTier`: the engine's glue to an external KV store.
+
+Write path: after each step the engine hands the manager's events to `offer`. Each block whose
+KV became computed ("stored" on the GPU) is offered once per hash: its device-to-host copy is
+enqueued right away, so a later step that overwrites the block cannot race it, and a background
+thread waits for the copy, encodes the block and puts it. The step loop never waits on the
+network; when more than `max_pending_blocks` wait, new blocks are dropped and counted.
+
+Read path: `admit` replaces `BlockManager.allocate` for a new prompt. After the GPU prefix hit
+it asks the store, in one call, how many of the following blocks exist, admits the sequence with
+those blocks to be loaded, fetches them in one call, writes the valid consecutive run into its
+fresh GPU blocks and confirms them. Anything that goes wrong with the store (down, timeout,
+missing, short or corrupt value) leaves the affected blocks to be recomputed by the normal
+prefill, and is counted in `stats()`; it never raises into the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pagedkv.kv_cache import HostBlocks, KVCache
+from pagedkv.tier.codec import HEADER_SIZE, BlockSpec, CorruptValue, decode, encode_into
+from pagedkv.tier.namespace import Namespace
+from pagedkv.tier.store import Store, StoreError, StoreTimeout
+
+
+class TieredManager(Protocol):
+    """The `BlockManager` calls the tier uses (external admission and chain hashes)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hash_key_fingerprint(self) -> str | None: ...
+    def block_hashes(self, token_ids: Any, *, salt: bytes | str | None = None) -> list[int]: ...
+    def cached_prefix_blocks(self, token_ids: Any, *, salt: bytes | str | None = None) -> int: ...
+    def allocate_loading(
+        self,
+        seq_id: int,
+        token_ids: Any,
+        loadable_blocks: int,
+        *,
+        salt: bytes | str | None = None,
+    ) -> tuple[int, npt.NDArray[np.int32]]: ...
+    def confirm_loads(self, seq_id: int, num_loaded: int) -> None: ...
+    def num_computed(self, seq_id: int) -> int: ...
+
+
+class BlockEvent(Protocol):
+    """The fields of a `pagedkv.Event` the tier reads."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def block_hash(self) -> int | None: ...
+    @property
+    def medium(self) -> str: ...
+    @property
+    def block_id(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """What the tier did so far. Misses include corrupt blocks and failed lookups."""
+
+    lookup_blocks: int = 0  # blocks after the GPU prefix hit asked of the store
+    hit_blocks: int = 0  # blocks loaded from the store and confirmed
+    corrupt_blocks: int = 0  # values rejected (header, length or checksum)
+    timeouts: int = 0  # store calls that ran out of time
+    errors: int = 0  # store calls that failed otherwise
+    offered_blocks: int = 0  # computed blocks taken for saving (once per hash)
+    saved_blocks: int = 0  # blocks the store accepted
+    dropped_blocks: int = 0  # blocks not saved because the save queue was full
+    failed_saves: int = 0  # blocks whose put failed
+
+    @property
+    def miss_blocks(self) -> int:
+        """Looked-up blocks that were not loaded."""
+        return self.lookup_blocks - self.hit_blocks
+
+
+@dataclass
+class _SaveBatch:
+    hashes: list[int]
+    values: torch.Tensor  # uint8 [n, HEADER_SIZE + payload]: header room, then the block
+    blocks: HostBlocks  # the copy into `values`, maybe in flight
+
+
+def block_spec(cache: KVCache) -> BlockSpec:
+    """The `BlockSpec` of one block of `cache`."""
+    dtype = str(cache.dtype).removeprefix("torch.")
+    return BlockSpec(cache.num_layers, cache.block_size, cache.num_kv_heads, cache.head_dim, dtype)
+
+
+class KVTier:
+    """Saves computed blocks of `cache` to `store` and loads prompts' blocks from it.
+
+    `model_id` names the weights (blocks are shared only between engines with equal model id,
+    KV shape, dtype and hash key). `timeout` bounds each admission lookup and load (seconds),
+    `save_timeout` each background put; `save_threads` threads encode and put concurrently, so
+    one batch's checksum overlaps another's network transfer. Call `close()` (or use it as a
+    context manager) to finish the saves in flight.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        model_id: str,
+        manager: TieredManager,
+        cache: KVCache,
+        *,
+        timeout: float = 1.0,
+        save_timeout: float = 5.0,
+        max_pending_blocks: int = 1024,
+        dedup_capacity: int = 1 << 16,
+        save_threads: int = 2,
+    ) -> None:
+        if manager.block_size != cache.block_size:
+            raise ValueError(
+                f"manager block size {manager.block_size} != cache block size {cache.block_size}"
+            )
+        fingerprint = manager.hash_key_fingerprint
+        if fingerprint is None:
+            raise ValueError("an external KV tier needs a manager with prefix caching enabled")
+        for name, value in (("timeout", timeout), ("save_timeout", save_timeout)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if min(max_pending_blocks, dedup_capacity, save_threads) < 1:
+            raise ValueError("max_pending_blocks, dedup_capacity and save_threads must be >= 1")
+        self.store = store
+        self.manager = manager
+        self.cache = cache
+        self.spec = block_spec(cache)
+        self.namespace = Namespace(model_id, self.spec, fingerprint)
+        self.timeout = timeout
+        self.save_timeout = save_timeout
+        self.max_pending_blocks = max_pending_blocks
+        self._dedup_capacity = dedup_capacity
+        self._offered: OrderedDict[int, None] = OrderedDict()  # engine thread only
+        self._stats = TierStats()
+        self._stats_lock = threading.Lock()
+        self._queue: deque[_SaveBatch] = deque()
+        self._pending = 0  # blocks queued or being saved
+        self._closing = False
+        self._cond = threading.Condition()
+        self._savers = [
+            threading.Thread(target=self._save_loop, name=f"pagedkv-tier-saver-{i}", daemon=True)
+            for i in range(save_threads)
+        ]
+        for saver in self._savers:
+            saver.start()
+
+    # ---- counters
+
+    def stats(self) -> TierStats:
+        """A snapshot of the counters."""
+        with self._stats_lock:
+            return self._stats
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            s = self._stats
+            self._stats = replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
+
+    def _count_failure(self, err: Exception) -> None:
+        self._count(**{"timeouts" if isinstance(err, StoreTimeout) else "errors": 1})
+
+    # ---- write path
+
+    def offer(self, events: Iterable[BlockEvent]) -> None:
+        """Queue the newly computed GPU blocks among `events` for saving.
+
+        Pass every batch of `BlockManager.take_events()` as taken, before the next forward pass
+        is enqueued: a block stored and then removed within one batch may hold other KV by now,
+        so it is skipped.
+        """
+        stored: dict[int, int] = {}  # block id -> hash, in event order
+        for ev in events:
+            if ev.kind == "cleared":
+                stored.clear()
+            elif ev.medium != "GPU" or ev.block_id is None:
+                continue
+            elif ev.kind == "removed":
+                stored.pop(ev.block_id, None)
+            elif ev.kind == "stored" and ev.block_hash is not None:
+                stored[ev.block_id] = ev.block_hash
+        fresh = [(b, h) for b, h in stored.items() if h not in self._offered]
+        if not fresh:
+            return
+        with self._cond:
+            room = max(0, self.max_pending_blocks - self._pending)
+            taken = fresh[:room]
+            self._pending += len(taken)
+        if len(taken) < len(fresh):
+            self._count(dropped_blocks=len(fresh) - len(taken))
+        if not taken:
+            return
+        for _, h in taken:
+            self._remember(h)
+        ids = np.fromiter((b for b, _ in taken), dtype=np.int64, count=len(taken))
+        batch = self._read(ids, [h for _, h in taken])
+        self._count(offered_blocks=len(taken))
+        with self._cond:
+            self._queue.append(batch)
+            self._cond.notify_all()
+
+    def _read(self, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
+        """Enqueue the copy of `block_ids` into values with room for their headers."""
+        c, n = self.cache, len(hashes)
+        values = torch.empty(
+            (n, HEADER_SIZE + self.spec.payload_size),
+            dtype=torch.uint8,
+            pin_memory=c.device.type == "cuda",
+        )
+        shape = (n, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
+        blocks = values[:, HEADER_SIZE:].view(c.dtype).view(shape)
+        return _SaveBatch(hashes, values, c.read_blocks(block_ids, out=blocks))
+
+    def _remember(self, block_hash: int) -> None:
+        self._offered[block_hash] = None
+        if len(self._offered) > self._dedup_capacity:
+            self._offered.popitem(last=False)
+
+    def _save_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = self._queue.popleft()
+            try:
+                self._save(batch)
+            finally:
+                with self._cond:
+                    self._pending -= len(batch.hashes)
+                    self._cond.notify_all()
+
+    def _save(self, batch: _SaveBatch) -> None:
+        n = len(batch.hashes)
+        try:
+            batch.blocks.ready()
+            values = [row.data for row in batch.values.numpy()]
+            for h, value in zip(batch.hashes, values, strict=True):
+                encode_into(self.spec, h, value)
+            self.store.put_many(
+                list(zip(self.namespace.keys(batch.hashes), values, strict=True)),
+                self.save_timeout,
+            )
+        except Exception as e:  # a failed save only costs a later recomputation
+            self._count(failed_saves=n)
+            self._count_failure(e)
+            return
+        self._count(saved_blocks=n)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued block is saved or failed; False if `timeout` ran out first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        """Finish the queued saves and stop the background thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for saver in self._savers:
+            saver.join()
+
+    def __enter__(self) -> KVTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- read path
+
+    def admit(
+        self, seq_id: int, token_ids: Sequence[int], *, salt: bytes | str | None = None
+    ) -> int:
+        """Admit a new sequence like `BlockManager.allocate`, loading what the store holds.
+
+        Returns the prompt tokens whose KV is computed (GPU prefix hit plus loaded blocks); the
+        engine prefills the rest. Manager errors (`OutOfBlocks`, bad input) propagate as from
+        `allocate`; store faults only shorten the loaded run.
+        """
+        mgr = self.manager
+        tokens = list(token_ids)
+        hashes = mgr.block_hashes(tokens, salt=salt)
+        # A full-prompt hit must still leave its last token to compute.
+        hittable = min(len(hashes), (len(tokens) - 1) // mgr.block_size)
+        k = mgr.cached_prefix_blocks(tokens, salt=salt)
+        found = self._lookup(hashes[k:hittable])
+        reused, load_ids = mgr.allocate_loading(seq_id, tokens, k + found, salt=salt)
+        if len(load_ids):
+            first = reused // mgr.block_size
+            wanted = hashes[first : first + len(load_ids)]
+            loaded = self._load(wanted, np.asarray(load_ids))
+            mgr.confirm_loads(seq_id, loaded)
+            for h in wanted[:loaded]:  # already in the store: never saved back
+                self._remember(h)
+        return mgr.num_computed(seq_id)
+
+    def _lookup(self, hashes: list[int]) -> int:
+        """How many of `hashes`, from the first, the store holds (0 when it fails)."""
+        if not hashes:
+            return 0
+        self._count(lookup_blocks=len(hashes))
+        try:
+            return self.store.exists_prefix(self.namespace.keys(hashes), self.timeout)
+        except StoreError as e:
+            self._count_failure(e)
+            return 0
+
+    def _load(self, hashes: list[int], block_ids: npt.NDArray[Any]) -> int:
+        """Fetch `hashes` into `block_ids`; the length of the valid consecutive run written."""
+        try:
+            values = self.store.get_many(self.namespace.keys(hashes), self.timeout)
+            if len(values) != len(hashes):
+                raise StoreError(f"asked for {len(hashes)} values, got {len(values)}")
+            # Pinned on CUDA, so the copy into the cache is one async transfer.
+            staging = torch.empty(
+                (len(hashes), self.spec.payload_size),
+                dtype=torch.uint8,
+                pin_memory=self.cache.device.type == "cuda",
+            )
+            payloads = staging.numpy()
+            ok = 0
+            for h, value in zip(hashes, values, strict=True):
+                if value is None:
+                    break
+                try:
+                    payload = decode(self.spec, h, value)
+                except CorruptValue:
+                    self._count(corrupt_blocks=1)
+                    break
+                payloads[ok] = np.frombuffer(payload, dtype=np.uint8)
+                ok += 1
+            if ok:
+                c = self.cache
+                shape = (ok, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
+                host = staging[:ok].view(self.cache.dtype).view(shape)
+                self.cache.write_blocks(block_ids[:ok], host)
+        except Exception as e:  # the blocks are recomputed; the engine loop goes on
+            self._count_failure(e)
+            return 0
+        self._count(hit_blocks=ok)
+        return ok
