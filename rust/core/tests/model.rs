@@ -2,29 +2,35 @@
 //! SEMANTICS.md.
 //!
 //! The model uses the most obvious data structures (a `Vec` as the free stack, a `VecDeque` as the
-//! cached queue, a `HashMap` from `(salt, token prefix)` to block, refcount vectors), so that a
-//! reader can check it against SEMANTICS.md line by line. Random operation sequences run on both;
-//! after every operation the test compares results, errors, every live sequence's tokens and block
-//! table (exact physical ids), stats, plans and events, and runs `check()`.
+//! cached queue, a `HashMap` from `(salt, token prefix)` to block, refcount vectors, each
+//! sequence's `computed <= planned <= len` with its copies, swap source and external loads), so
+//! that a reader can check it against SEMANTICS.md line by line. Random operation sequences run
+//! on both; after every operation the test compares results, errors, every live sequence's
+//! tokens, block table (exact physical ids) and computed count, stats, plans (copies included)
+//! and events (block ids and media included), and runs `check()`. A quarter of the cases run
+//! without auto-commit. At the end the test asserts that the run really exercised prefix hits,
+//! copies, swaps, evictions, CPU-tier events, external loads and both commit modes.
 //!
 //! Where SEMANTICS.md leaves an order open (which of several validation errors wins), the model
 //! returns every error that applies and the real one must be among them; capacity errors
 //! (`OutOfBlocks`) are exact. Set `PROPTEST_CASES` to change the number of cases.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use pagedkv::{
     BlockId, BlockManager, Config, Error, Event, EventKind, Plan, PoolKind, SeqId, Stats, Token,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
+use proptest::test_runner::TestRunner;
 
 /// Cases when `PROPTEST_CASES` is unset: 25-60 s on two cores in release (the intended way to
 /// run this test), and a smoke run in debug builds, which are some twenty times slower.
 const DEFAULT_CASES: u32 = if cfg!(debug_assertions) {
     1_000
 } else {
-    50_000
+    30_000
 };
 /// Sequence ids the operations draw from (a few more than the pools can usually hold).
 const NUM_IDS: u64 = 8;
@@ -46,6 +52,17 @@ const SALTS: [Option<&[u8]>; 3] = [None, Some(b"tenant-a"), Some(b"tenant-b")];
 /// What a block's hash stands for: the salt and every token up to the block's end.
 type Key = (Option<Vec<u8>>, Vec<Token>);
 
+/// A copy-on-write copy a sequence still holds the source of.
+#[derive(Clone, Debug)]
+struct Copy {
+    src: BlockId,
+    dst: BlockId,
+    /// Tokens of `src` the copy carries.
+    fill: usize,
+    /// Done once the sequence is computed up to here (set when a plan delivers it).
+    until: usize,
+}
+
 #[derive(Clone, Debug)]
 struct ModelSeq {
     tokens: Vec<Token>,
@@ -53,17 +70,55 @@ struct ModelSeq {
     table: Vec<BlockId>,
     salt: Option<Vec<u8>>,
     swapped: bool,
+    computed: usize,
+    planned: usize,
+    /// Full blocks `0..registered` were offered to the prefix cache.
+    registered: usize,
+    /// Copies recorded by appends, not yet in a plan.
+    copies: Vec<Copy>,
+    /// Copies delivered by a plan, not yet committed.
+    copying: Vec<Copy>,
+    /// The other pool's table of an unconfirmed swap (GPU while swapped out, else CPU).
+    swap_source: Option<Vec<BlockId>>,
+    /// External loads: logical blocks `first..first + count`.
+    loading: Option<(usize, usize)>,
+}
+
+impl ModelSeq {
+    fn swap_in_pending(&self) -> bool {
+        !self.swapped && self.swap_source.is_some()
+    }
 }
 
 #[derive(Clone, Debug)]
 enum ModelEvent {
-    Stored { key: Key, token_ids: Vec<Token> },
-    Removed { key: Key },
+    Stored {
+        key: Key,
+        token_ids: Vec<Token>,
+        block_id: BlockId,
+        medium: PoolKind,
+    },
+    Removed {
+        key: Key,
+        block_id: BlockId,
+        medium: PoolKind,
+    },
     Cleared,
 }
 
 /// A model result: `Err` lists every error SEMANTICS.md allows for the call.
 type Expect<T> = Result<T, Vec<Error>>;
+
+/// What a run exercised, counted on successful operations.
+#[derive(Clone, Copy, Debug, Default)]
+struct Seen {
+    copies: u64,
+    swap_outs: u64,
+    swap_ins: u64,
+    cpu_events: u64,
+    commits: u64,
+    out_of_blocks: u64,
+}
 
 /// SEMANTICS.md executed literally, one plain data structure per concept.
 struct Model {
@@ -71,6 +126,7 @@ struct Model {
     num_blocks: usize,
     caching: bool,
     events_on: bool,
+    auto_commit: bool,
     watermark: f64,
     /// The GPU free stack; the top is the end.
     free: Vec<BlockId>,
@@ -83,12 +139,18 @@ struct Model {
     prefix: HashMap<Key, BlockId>,
     cpu_free: Vec<BlockId>,
     cpu_refcount: Vec<u32>,
+    /// The CPU tier: announced CPU blocks and how many hold each key.
+    cpu_tier: HashMap<BlockId, Key>,
+    cpu_copies: HashMap<Key, u32>,
     seqs: BTreeMap<SeqId, ModelSeq>,
-    copies: Vec<[BlockId; 2]>,
     events: Vec<ModelEvent>,
     query_tokens: u64,
     hit_tokens: u64,
     evictions: u64,
+    external_query: u64,
+    external_hit: u64,
+    external_failures: u64,
+    seen: Seen,
 }
 
 fn invalid() -> Error {
@@ -108,6 +170,7 @@ impl Model {
             num_blocks: n,
             caching: cfg.enable_prefix_caching,
             events_on: cfg.enable_events,
+            auto_commit: cfg.auto_commit,
             watermark: cfg.watermark,
             free: (0..cfg.num_blocks).rev().collect(),
             cached: VecDeque::new(),
@@ -116,12 +179,17 @@ impl Model {
             prefix: HashMap::new(),
             cpu_free: (0..cfg.num_cpu_blocks).rev().collect(),
             cpu_refcount: vec![0; cfg.num_cpu_blocks as usize],
+            cpu_tier: HashMap::new(),
+            cpu_copies: HashMap::new(),
             seqs: BTreeMap::new(),
-            copies: Vec::new(),
             events: Vec::new(),
             query_tokens: 0,
             hit_tokens: 0,
             evictions: 0,
+            external_query: 0,
+            external_hit: 0,
+            external_failures: 0,
+            seen: Seen::default(),
         }
     }
 
@@ -131,6 +199,17 @@ impl Model {
 
     fn emit(&mut self, event: ModelEvent) {
         if self.events_on {
+            if let ModelEvent::Stored {
+                medium: PoolKind::Cpu,
+                ..
+            }
+            | ModelEvent::Removed {
+                medium: PoolKind::Cpu,
+                ..
+            } = event
+            {
+                self.seen.cpu_events += 1;
+            }
             self.events.push(event);
         }
     }
@@ -149,7 +228,11 @@ impl Model {
                     .expect("cached block is hashed");
                 assert_eq!(self.prefix.remove(&key), Some(b));
                 self.evictions += 1;
-                self.emit(ModelEvent::Removed { key });
+                self.emit(ModelEvent::Removed {
+                    key,
+                    block_id: b,
+                    medium: PoolKind::Gpu,
+                });
                 b
             }
         };
@@ -169,11 +252,24 @@ impl Model {
         }
     }
 
+    /// Releases a CPU block; a freed block leaves the CPU tier (its key's last copy: an event).
     fn release_cpu(&mut self, b: BlockId) {
         let rc = &mut self.cpu_refcount[b as usize];
         *rc -= 1;
         if *rc == 0 {
             self.cpu_free.push(b);
+            if let Some(key) = self.cpu_tier.remove(&b) {
+                let copies = self.cpu_copies.get_mut(&key).expect("model: counted");
+                *copies -= 1;
+                if *copies == 0 {
+                    self.cpu_copies.remove(&key);
+                    self.emit(ModelEvent::Removed {
+                        key,
+                        block_id: b,
+                        medium: PoolKind::Cpu,
+                    });
+                }
+            }
         }
     }
 
@@ -209,7 +305,41 @@ impl Model {
         self.prefix.insert(key.clone(), block);
         self.hash[block as usize] = Some(key.clone());
         let token_ids = tokens[i * self.bs..(i + 1) * self.bs].to_vec();
-        self.emit(ModelEvent::Stored { key, token_ids });
+        self.emit(ModelEvent::Stored {
+            key,
+            token_ids,
+            block_id: block,
+            medium: PoolKind::Gpu,
+        });
+    }
+
+    /// Commit `id` up to `upto`: computed, completed copies, then registration.
+    fn commit_to(&mut self, id: SeqId, upto: usize) {
+        let mut s = self.seqs.remove(&id).expect("model: validated");
+        assert!(upto <= s.planned, "model: committing past the plan");
+        s.computed = s.computed.max(upto);
+        let (done, left): (Vec<Copy>, Vec<Copy>) = std::mem::take(&mut s.copying)
+            .into_iter()
+            .partition(|c| c.until <= s.computed);
+        s.copying = left;
+        for c in done {
+            self.release(c.src);
+        }
+        if !s.swapped && s.swap_source.is_none() && s.loading.is_none() {
+            let full = s.computed / self.bs;
+            for i in s.registered..full {
+                self.register(&s.salt, &s.tokens, s.table[i], i);
+            }
+            s.registered = s.registered.max(full);
+        }
+        self.seqs.insert(id, s);
+    }
+
+    fn auto_commit(&mut self, id: SeqId) {
+        if self.auto_commit {
+            let planned = self.seqs[&id].planned;
+            self.commit_to(id, planned);
+        }
     }
 
     fn lookup(&self, tokens: &[Token], salt: &Option<Vec<u8>>) -> Vec<BlockId> {
@@ -237,7 +367,8 @@ impl Model {
         n - hits.len() + revived
     }
 
-    fn out_of_blocks<T>(pool: PoolKind, needed: usize, available: usize) -> Expect<T> {
+    fn out_of_blocks<T>(&mut self, pool: PoolKind, needed: usize, available: usize) -> Expect<T> {
+        self.seen.out_of_blocks += 1;
         Err(vec![Error::OutOfBlocks {
             pool,
             needed,
@@ -250,11 +381,19 @@ impl Model {
         match self.seqs.get(&seq) {
             None => errs.push(Error::UnknownSequence(seq)),
             Some(s) if s.swapped => errs.push(Error::SwappedOut(seq)),
+            Some(s) if s.loading.is_some() => errs.push(invalid()),
             Some(_) => {}
         }
     }
 
-    fn allocate(&mut self, seq: SeqId, tokens: &[Token], salt: Option<&[u8]>) -> Expect<usize> {
+    /// `allocate` (`loadable == None`) and `allocate_loading`.
+    fn admit(
+        &mut self,
+        seq: SeqId,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+        loadable: Option<usize>,
+    ) -> Expect<(usize, Vec<BlockId>)> {
         let mut errs = Vec::new();
         if self.seqs.contains_key(&seq) {
             errs.push(Error::DuplicateSequence(seq));
@@ -269,7 +408,8 @@ impl Model {
         let hits = self.lookup(tokens, &salt);
         let needed = self.alloc_needed(tokens, &hits);
         if needed > self.available() {
-            return Self::out_of_blocks(PoolKind::Gpu, needed, self.available());
+            let available = self.available();
+            return self.out_of_blocks(PoolKind::Gpu, needed, available);
         }
         let k = hits.len();
         let n = tokens.len().div_ceil(self.bs);
@@ -281,27 +421,54 @@ impl Model {
             let b = self.take();
             table.push(b);
         }
-        for (i, &b) in table
-            .iter()
-            .enumerate()
-            .take(tokens.len() / self.bs)
-            .skip(k)
-        {
-            self.register(&salt, tokens, b, i);
+        let hittable = n - 1;
+        let m = match loadable {
+            Some(l) if self.caching => l.min(hittable).saturating_sub(k),
+            _ => 0,
+        };
+        if loadable.is_some() {
+            self.external_query += ((hittable - k) * self.bs) as u64;
         }
+        let loads = table[k..k + m].to_vec();
         self.query_tokens += tokens.len() as u64;
         self.hit_tokens += (k * self.bs) as u64;
-        let tokens = tokens.to_vec();
         self.seqs.insert(
             seq,
             ModelSeq {
-                tokens,
+                tokens: tokens.to_vec(),
                 table,
                 salt,
                 swapped: false,
+                computed: k * self.bs,
+                planned: k * self.bs,
+                registered: k,
+                copies: Vec::new(),
+                copying: Vec::new(),
+                swap_source: None,
+                loading: (m > 0).then_some((k, m)),
             },
         );
-        Ok(k * self.bs)
+        Ok((k * self.bs, loads))
+    }
+
+    fn confirm_loads(&mut self, seq: SeqId, loaded: usize) -> Expect<()> {
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return Err(vec![Error::UnknownSequence(seq)]);
+        };
+        let Some((first, count)) = s.loading else {
+            return Err(vec![invalid()]);
+        };
+        if loaded > count {
+            return Err(vec![invalid()]);
+        }
+        s.loading = None;
+        let upto = (first + loaded) * self.bs;
+        s.planned = s.planned.max(upto);
+        self.commit_to(seq, upto);
+        self.external_hit += (loaded * self.bs) as u64;
+        self.hit_tokens += (loaded * self.bs) as u64;
+        self.external_failures += (count - loaded) as u64;
+        Ok(())
     }
 
     fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
@@ -318,15 +485,19 @@ impl Model {
         usize::from(cow) + (len + m).div_ceil(self.bs) - len.div_ceil(self.bs)
     }
 
-    /// Append with capacity already checked: CoW, new blocks, then registration.
+    /// Append with capacity already checked: CoW (the copy keeps the source), then new blocks.
     fn do_append(&mut self, seq: SeqId, tokens: &[Token]) {
         let mut s = self.seqs.remove(&seq).expect("model: validated");
         let len = s.tokens.len();
         let last = *s.table.last().unwrap();
         if len % self.bs != 0 && self.refcount[last as usize] > 1 {
             let dst = self.take();
-            self.copies.push([last, dst]);
-            self.release(last);
+            s.copies.push(Copy {
+                src: last,
+                dst,
+                fill: len % self.bs,
+                until: 0,
+            });
             *s.table.last_mut().unwrap() = dst;
         }
         for _ in len.div_ceil(self.bs)..(len + tokens.len()).div_ceil(self.bs) {
@@ -334,9 +505,6 @@ impl Model {
             s.table.push(b);
         }
         s.tokens.extend_from_slice(tokens);
-        for i in len / self.bs..s.tokens.len() / self.bs {
-            self.register(&s.salt, &s.tokens, s.table[i], i);
-        }
         self.seqs.insert(seq, s);
     }
 
@@ -349,12 +517,60 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        self.auto_commit(seq);
         let needed = self.append_needed(&self.seqs[&seq], tokens.len());
         if needed > self.available() {
-            return Self::out_of_blocks(PoolKind::Gpu, needed, self.available());
+            let available = self.available();
+            return self.out_of_blocks(PoolKind::Gpu, needed, available);
         }
         self.do_append(seq, tokens);
         Ok(())
+    }
+
+    /// The sequence's plan row for its last `q` tokens; delivers its recorded copies.
+    fn plan_row(&mut self, seq: SeqId, q: usize, p: &mut Plan) {
+        let bs = self.bs;
+        let s = self.seqs.get_mut(&seq).expect("model: validated");
+        let kv_len = s.tokens.len();
+        let pages = kv_len.div_ceil(bs);
+        assert_eq!(pages, s.table.len());
+        p.kv_indptr.push(p.kv_indptr.last().unwrap() + pages as i32);
+        p.kv_indices.extend(s.table.iter().map(|&b| b as i32));
+        p.kv_last_page_len.push((kv_len - (pages - 1) * bs) as i32);
+        p.qo_indptr.push(p.qo_indptr.last().unwrap() + q as i32);
+        for pos in kv_len - q..kv_len {
+            p.positions.push(pos as i32);
+            p.slot_mapping
+                .push((s.table[pos / bs] as usize * bs + pos % bs) as i32);
+        }
+        for mut c in s.copies.drain(..) {
+            p.copies.extend([c.src as i32, c.dst as i32]);
+            c.until = kv_len;
+            s.copying.push(c);
+        }
+        s.planned = kv_len;
+    }
+
+    fn begin_plan() -> Plan {
+        let mut p = Plan::default();
+        p.kv_indptr.push(0);
+        p.qo_indptr.push(0);
+        p
+    }
+
+    /// Pads the rows into `block_tables` once every sequence is in.
+    fn finish_plan(&mut self, p: &mut Plan) {
+        let rows: Vec<Vec<i32>> = p
+            .kv_indptr
+            .windows(2)
+            .map(|w| p.kv_indices[w[0] as usize..w[1] as usize].to_vec())
+            .collect();
+        p.max_blocks = rows.iter().map(Vec::len).max().unwrap_or(0);
+        for mut row in rows {
+            row.resize(p.max_blocks, -1);
+            p.block_tables.extend(row);
+        }
+        self.seen.copies += p.copies.len() as u64 / 2;
     }
 
     fn step(&mut self, seqs: &[SeqId], tokens: &[Token]) -> Expect<Plan> {
@@ -364,32 +580,8 @@ impl Model {
         }
         for &s in seqs {
             self.gpu_seq_errors(s, &mut errs);
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
-        let needed: usize = seqs
-            .iter()
-            .map(|s| self.append_needed(&self.seqs[s], 1))
-            .sum();
-        if needed > self.available() {
-            return Self::out_of_blocks(PoolKind::Gpu, needed, self.available());
-        }
-        for (&s, &t) in seqs.iter().zip(tokens) {
-            self.do_append(s, &[t]);
-        }
-        self.plan(seqs, &vec![1; seqs.len()])
-    }
-
-    fn plan(&self, seqs: &[SeqId], query_lens: &[u32]) -> Expect<Plan> {
-        let mut errs = Vec::new();
-        if seqs.len() != query_lens.len() || has_repeats(seqs) {
-            errs.push(invalid());
-        }
-        for (&s, &q) in seqs.iter().zip(query_lens) {
-            self.gpu_seq_errors(s, &mut errs);
             if let Some(m) = self.seqs.get(&s) {
-                if q < 1 || q as usize > m.tokens.len() {
+                if m.planned != m.tokens.len() {
                     errs.push(invalid());
                 }
             }
@@ -397,50 +589,117 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
-        let bs = self.bs;
-        let mut p = Plan::default();
-        p.kv_indptr.push(0);
-        p.qo_indptr.push(0);
-        p.max_blocks = seqs
-            .iter()
-            .map(|s| self.seqs[s].table.len())
-            .max()
-            .unwrap_or(0);
-        for (&s, &q) in seqs.iter().zip(query_lens) {
-            let m = &self.seqs[&s];
-            let kv_len = m.tokens.len();
-            let pages = kv_len.div_ceil(bs);
-            p.kv_indptr.push(p.kv_indptr.last().unwrap() + pages as i32);
-            p.kv_indices
-                .extend(m.table[..pages].iter().map(|&b| b as i32));
-            p.kv_last_page_len.push((kv_len - (pages - 1) * bs) as i32);
-            p.qo_indptr.push(p.qo_indptr.last().unwrap() + q as i32);
-            for pos in kv_len - q as usize..kv_len {
-                p.positions.push(pos as i32);
-                p.slot_mapping
-                    .push((m.table[pos / bs] as usize * bs + pos % bs) as i32);
-            }
-            let mut row: Vec<i32> = m.table.iter().map(|&b| b as i32).collect();
-            row.resize(p.max_blocks, -1);
-            p.block_tables.extend(row);
+        for &s in seqs {
+            self.auto_commit(s);
         }
+        let needed: usize = seqs
+            .iter()
+            .map(|s| self.append_needed(&self.seqs[s], 1))
+            .sum();
+        if needed > self.available() {
+            let available = self.available();
+            return self.out_of_blocks(PoolKind::Gpu, needed, available);
+        }
+        let mut p = Self::begin_plan();
+        for (&s, &t) in seqs.iter().zip(tokens) {
+            self.do_append(s, &[t]);
+            self.plan_row(s, 1, &mut p);
+        }
+        self.finish_plan(&mut p);
         Ok(p)
+    }
+
+    fn plan(&mut self, seqs: &[SeqId], query_lens: &[u32]) -> Expect<Plan> {
+        let mut errs = Vec::new();
+        if seqs.len() != query_lens.len() || has_repeats(seqs) {
+            errs.push(invalid());
+        }
+        for (&s, &q) in seqs.iter().zip(query_lens) {
+            self.gpu_seq_errors(s, &mut errs);
+            if let Some(m) = self.seqs.get(&s) {
+                let len = m.tokens.len();
+                if q < 1 || q as usize > len || len - q as usize > m.planned {
+                    errs.push(invalid());
+                }
+            }
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        let mut p = Self::begin_plan();
+        for (&s, &q) in seqs.iter().zip(query_lens) {
+            self.auto_commit(s);
+            self.plan_row(s, q as usize, &mut p);
+        }
+        self.finish_plan(&mut p);
+        Ok(p)
+    }
+
+    fn commit(&mut self, seqs: &[SeqId], upto: Option<&[usize]>) -> Expect<()> {
+        let mut errs = Vec::new();
+        if upto.is_some_and(|u| u.len() != seqs.len()) || has_repeats(seqs) {
+            errs.push(invalid());
+        }
+        for (b, &s) in seqs.iter().enumerate() {
+            match self.seqs.get(&s) {
+                None => errs.push(Error::UnknownSequence(s)),
+                Some(m) if m.swapped => errs.push(Error::SwappedOut(s)),
+                Some(m) => {
+                    if upto.and_then(|u| u.get(b)).is_some_and(|&n| n > m.planned) {
+                        errs.push(invalid());
+                    }
+                }
+            }
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        for (b, &s) in seqs.iter().enumerate() {
+            let n = upto.map_or(self.seqs[&s].planned, |u| u[b]);
+            self.commit_to(s, n);
+        }
+        self.seen.commits += 1;
+        Ok(())
     }
 
     fn fork(&mut self, parent: SeqId, child: SeqId) -> Expect<()> {
         let mut errs = Vec::new();
         self.gpu_seq_errors(parent, &mut errs);
+        if self
+            .seqs
+            .get(&parent)
+            .is_some_and(ModelSeq::swap_in_pending)
+        {
+            errs.push(invalid());
+        }
         if self.seqs.contains_key(&child) {
             errs.push(Error::DuplicateSequence(child));
         }
         if !errs.is_empty() {
             return Err(errs);
         }
-        let s = self.seqs[&parent].clone();
-        for &b in &s.table {
+        self.auto_commit(parent);
+        let p = &self.seqs[&parent];
+        if p.computed != p.tokens.len() {
+            return Err(vec![invalid()]);
+        }
+        let copy = ModelSeq {
+            tokens: p.tokens.clone(),
+            table: p.table.clone(),
+            salt: p.salt.clone(),
+            swapped: false,
+            computed: p.computed,
+            planned: p.computed,
+            registered: p.registered,
+            copies: Vec::new(),
+            copying: Vec::new(),
+            swap_source: None,
+            loading: None,
+        };
+        for &b in &copy.table {
             self.refcount[b as usize] += 1;
         }
-        self.seqs.insert(child, s);
+        self.seqs.insert(child, copy);
         Ok(())
     }
 
@@ -454,6 +713,21 @@ impl Model {
             } else {
                 self.release(b);
             }
+        }
+        if let Some(source) = &s.swap_source {
+            for &b in source.iter().rev() {
+                if s.swapped {
+                    self.release(b);
+                } else {
+                    self.release_cpu(b);
+                }
+            }
+        }
+        for c in s.copies.iter().chain(&s.copying) {
+            self.release(c.src);
+        }
+        if let Some((_, count)) = s.loading {
+            self.external_failures += count as u64;
         }
         Ok(())
     }
@@ -472,42 +746,9 @@ impl Model {
         out
     }
 
-    fn swap_out(&mut self, seqs: &[SeqId]) -> Expect<Vec<[BlockId; 2]>> {
-        let mut errs = Vec::new();
-        if has_repeats(seqs) {
-            errs.push(invalid());
-        }
-        for &s in seqs {
-            self.gpu_seq_errors(s, &mut errs);
-        }
-        if !errs.is_empty() {
-            return Err(errs);
-        }
-        let blocks = self.distinct_blocks(seqs);
-        if blocks.len() > self.cpu_free.len() {
-            return Self::out_of_blocks(PoolKind::Cpu, blocks.len(), self.cpu_free.len());
-        }
-        let mut pairs = Vec::new();
-        for (gpu, count) in blocks {
-            let cpu = self.cpu_free.pop().unwrap();
-            self.cpu_refcount[cpu as usize] = count;
-            pairs.push([gpu, cpu]);
-        }
-        for s in seqs {
-            let mut m = self.seqs.remove(s).unwrap();
-            for &b in m.table.iter().rev() {
-                self.release(b);
-            }
-            for b in &mut m.table {
-                *b = pairs.iter().find(|p| p[0] == *b).unwrap()[1];
-            }
-            m.swapped = true;
-            self.seqs.insert(*s, m);
-        }
-        Ok(pairs)
-    }
-
-    fn swap_in(&mut self, seqs: &[SeqId]) -> Expect<Vec<[BlockId; 2]>> {
+    /// Errors of a swap or swap confirmation: the sequences must be live, distinct and
+    /// swapped out (`swapped`) or not.
+    fn side_errors(&self, seqs: &[SeqId], swapped: bool) -> Vec<Error> {
         let mut errs = Vec::new();
         if has_repeats(seqs) {
             errs.push(invalid());
@@ -515,8 +756,127 @@ impl Model {
         for &s in seqs {
             match self.seqs.get(&s) {
                 None => errs.push(Error::UnknownSequence(s)),
-                Some(m) if !m.swapped => errs.push(Error::NotSwappedOut(s)),
+                Some(m) if m.swapped && !swapped => errs.push(Error::SwappedOut(s)),
+                Some(m) if !m.swapped && swapped => errs.push(Error::NotSwappedOut(s)),
                 Some(_) => {}
+            }
+        }
+        errs
+    }
+
+    /// Moves the sequences' tables to fresh blocks of the other pool; the old tables become
+    /// their swap sources.
+    fn move_tables(&mut self, seqs: &[SeqId], pairs: &[[BlockId; 2]], to_gpu: bool) {
+        for s in seqs {
+            let m = self.seqs.get_mut(s).unwrap();
+            m.swap_source = Some(m.table.clone());
+            for b in &mut m.table {
+                *b = pairs.iter().find(|p| p[0] == *b).unwrap()[1];
+            }
+            m.swapped = !to_gpu;
+            if to_gpu {
+                m.registered = 0;
+            }
+        }
+    }
+
+    fn swap_out(&mut self, seqs: &[SeqId]) -> Expect<Vec<[BlockId; 2]>> {
+        let mut errs = self.side_errors(seqs, false);
+        for &s in seqs {
+            if let Some(m) = self.seqs.get(&s).filter(|m| !m.swapped) {
+                let in_flight =
+                    !self.auto_commit && (m.planned != m.computed || !m.copying.is_empty());
+                if m.swap_source.is_some()
+                    || m.loading.is_some()
+                    || !m.copies.is_empty()
+                    || in_flight
+                {
+                    errs.push(invalid());
+                }
+            }
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        for &s in seqs {
+            self.auto_commit(s);
+        }
+        let blocks = self.distinct_blocks(seqs);
+        if blocks.len() > self.cpu_free.len() {
+            let available = self.cpu_free.len();
+            return self.out_of_blocks(PoolKind::Cpu, blocks.len(), available);
+        }
+        let mut pairs = Vec::new();
+        for (gpu, count) in blocks {
+            let cpu = self.cpu_free.pop().unwrap();
+            self.cpu_refcount[cpu as usize] = count;
+            pairs.push([gpu, cpu]);
+        }
+        self.move_tables(seqs, &pairs, false);
+        Ok(pairs)
+    }
+
+    fn confirm_swap_out(&mut self, seqs: &[SeqId]) -> Expect<()> {
+        let mut errs = self.side_errors(seqs, true);
+        for &s in seqs {
+            if self
+                .seqs
+                .get(&s)
+                .is_some_and(|m| m.swapped && m.swap_source.is_none())
+            {
+                errs.push(invalid());
+            }
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        for &s in seqs {
+            let source = self.seqs.get_mut(&s).unwrap().swap_source.take().unwrap();
+            for &b in source.iter().rev() {
+                self.release(b);
+            }
+            self.announce_cpu(s);
+        }
+        self.seen.swap_outs += 1;
+        Ok(())
+    }
+
+    /// The computed full blocks of a swapped-out sequence enter the CPU tier in logical order.
+    fn announce_cpu(&mut self, seq: SeqId) {
+        if !self.caching || !self.events_on {
+            return;
+        }
+        let s = self.seqs[&seq].clone();
+        for i in 0..s.computed / self.bs {
+            let block = s.table[i];
+            if self.cpu_tier.contains_key(&block) {
+                continue;
+            }
+            let key = self.key(&s.salt, &s.tokens, i);
+            self.cpu_tier.insert(block, key.clone());
+            let copies = self.cpu_copies.entry(key.clone()).or_insert(0);
+            *copies += 1;
+            if *copies == 1 {
+                let token_ids = s.tokens[i * self.bs..(i + 1) * self.bs].to_vec();
+                self.emit(ModelEvent::Stored {
+                    key,
+                    token_ids,
+                    block_id: block,
+                    medium: PoolKind::Cpu,
+                });
+            }
+        }
+    }
+
+    fn swap_in(&mut self, seqs: &[SeqId]) -> Expect<Vec<[BlockId; 2]>> {
+        let mut errs = self.side_errors(seqs, true);
+        for &s in seqs {
+            if self
+                .seqs
+                .get(&s)
+                .is_some_and(|m| m.swapped && m.swap_source.is_some())
+            {
+                errs.push(invalid());
             }
         }
         if !errs.is_empty() {
@@ -524,7 +884,8 @@ impl Model {
         }
         let blocks = self.distinct_blocks(seqs);
         if blocks.len() > self.available() {
-            return Self::out_of_blocks(PoolKind::Gpu, blocks.len(), self.available());
+            let available = self.available();
+            return self.out_of_blocks(PoolKind::Gpu, blocks.len(), available);
         }
         let mut pairs = Vec::new();
         for (cpu, count) in blocks {
@@ -532,26 +893,34 @@ impl Model {
             self.refcount[gpu as usize] = count;
             pairs.push([cpu, gpu]);
         }
-        for s in seqs {
-            let table = self.seqs[s].table.clone();
-            for &b in table.iter().rev() {
+        self.move_tables(seqs, &pairs, true);
+        Ok(pairs)
+    }
+
+    fn confirm_swap_in(&mut self, seqs: &[SeqId]) -> Expect<()> {
+        let mut errs = self.side_errors(seqs, false);
+        for &s in seqs {
+            if self
+                .seqs
+                .get(&s)
+                .is_some_and(|m| !m.swapped && m.swap_source.is_none())
+            {
+                errs.push(invalid());
+            }
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        for &s in seqs {
+            let source = self.seqs.get_mut(&s).unwrap().swap_source.take().unwrap();
+            for &b in source.iter().rev() {
                 self.release_cpu(b);
             }
+            let computed = self.seqs[&s].computed;
+            self.commit_to(s, computed);
         }
-        for s in seqs {
-            let m = self.seqs.get_mut(s).unwrap();
-            for b in &mut m.table {
-                *b = pairs.iter().find(|p| p[0] == *b).unwrap()[1];
-            }
-            m.swapped = false;
-        }
-        for s in seqs {
-            let m = self.seqs[s].clone();
-            for i in 0..m.tokens.len() / self.bs {
-                self.register(&m.salt, &m.tokens, m.table[i], i);
-            }
-        }
-        Ok(pairs)
+        self.seen.swap_ins += 1;
+        Ok(())
     }
 
     fn reset_prefix_cache(&mut self) {
@@ -560,19 +929,35 @@ impl Model {
         }
         self.hash.iter_mut().for_each(|h| *h = None);
         self.prefix.clear();
+        self.cpu_tier.clear();
+        self.cpu_copies.clear();
         self.emit(ModelEvent::Cleared);
     }
 
     fn stats(&self) -> Stats {
         let mut fill: HashMap<BlockId, usize> = HashMap::new();
-        for m in self.seqs.values().filter(|m| !m.swapped) {
-            for (i, &b) in m.table.iter().enumerate() {
-                let n = (m.tokens.len() - i * self.bs).min(self.bs);
-                let prev = fill.insert(b, n);
-                assert!(
-                    prev.is_none() || prev == Some(n),
-                    "model: sharers disagree on fill"
-                );
+        let mut hold = |b: BlockId, n: usize| {
+            let prev = fill.insert(b, n);
+            assert!(
+                prev.is_none() || prev == Some(n),
+                "model: holders disagree on the fill of block {b}"
+            );
+        };
+        let (mut computed, mut pending) = (0, 0);
+        for m in self.seqs.values() {
+            let len = m.tokens.len();
+            computed += m.computed as u64;
+            pending += (len - m.computed) as u64;
+            let gpu_table = if m.swapped {
+                m.swap_source.as_ref()
+            } else {
+                Some(&m.table)
+            };
+            for (i, &b) in gpu_table.into_iter().flatten().enumerate() {
+                hold(b, (len - i * self.bs).min(self.bs));
+            }
+            for c in m.copies.iter().chain(&m.copying) {
+                hold(c.src, c.fill);
             }
         }
         let held = self.num_blocks - self.free.len() - self.cached.len();
@@ -592,6 +977,11 @@ impl Model {
             prefix_query_tokens: self.query_tokens,
             prefix_hit_tokens: self.hit_tokens,
             evictions: self.evictions,
+            computed_tokens: computed,
+            pending_tokens: pending,
+            external_query_tokens: self.external_query,
+            external_hit_tokens: self.external_hit,
+            external_failures: self.external_failures,
         }
     }
 }
@@ -599,6 +989,39 @@ impl Model {
 // ---------------------------------------------------------------------------------------------
 // Operations
 // ---------------------------------------------------------------------------------------------
+
+/// Which live sequences an operation wants to name.
+#[derive(Clone, Copy, Debug)]
+enum Want {
+    /// On the GPU.
+    Resident,
+    /// On the GPU with every token planned (a step or fork can succeed).
+    Ready,
+    /// Swapped out, the swap-out not yet confirmed.
+    SwapOutPending,
+    /// Swapped out and confirmed (a swap-in can succeed).
+    SwappedOut,
+    /// Swapped in, not yet confirmed.
+    SwapInPending,
+    /// Waiting for `confirm_loads`.
+    Loading,
+    /// Any live sequence.
+    Any,
+}
+
+impl Want {
+    fn matches(self, m: &ModelSeq) -> bool {
+        match self {
+            Want::Resident => !m.swapped,
+            Want::Ready => !m.swapped && m.loading.is_none() && m.planned == m.tokens.len(),
+            Want::SwapOutPending => m.swapped && m.swap_source.is_some(),
+            Want::SwappedOut => m.swapped && m.swap_source.is_none(),
+            Want::SwapInPending => m.swap_in_pending(),
+            Want::Loading => m.loading.is_some(),
+            Want::Any => true,
+        }
+    }
+}
 
 /// A sequence id, resolved against the model's state when the operation runs (so that most
 /// operations name a sequence in the right state, and shrinking keeps them meaningful).
@@ -647,12 +1070,27 @@ impl Prompt {
     }
 }
 
+/// A count resolved against a sequence: a query length for `plan`, a token count for `commit`
+/// or a block count for `confirm_loads`.
 #[derive(Clone, Debug)]
-enum QueryLen {
-    /// `1 + i % num_tokens`, always valid for a live sequence.
+enum Count {
+    /// The natural one: every unplanned token (at least 1), everything planned, every load.
+    Rest,
+    /// Some valid value, picked by `i`.
     Valid(u32),
-    /// Any value (0 and past the end are errors).
+    /// Any value (0 and past the end are often errors).
     Raw(u32),
+}
+
+impl Count {
+    /// Resolves within the valid range `lo..=hi` (`rest` for `Rest`).
+    fn resolve(&self, lo: usize, hi: usize, rest: usize) -> usize {
+        match self {
+            Count::Rest => rest,
+            Count::Valid(i) => lo + *i as usize % (hi - lo + 1),
+            Count::Raw(n) => *n as usize,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -660,6 +1098,15 @@ enum Op {
     Allocate {
         seq: SeqRef,
         prompt: Prompt,
+    },
+    AllocateLoading {
+        seq: SeqRef,
+        prompt: Prompt,
+        loadable: usize,
+    },
+    ConfirmLoads {
+        seq: SeqRef,
+        loaded: Count,
     },
     CanAllocate {
         prompt: Prompt,
@@ -670,12 +1117,18 @@ enum Op {
     },
     Step {
         batch: Batch,
+        ready: bool,
         tokens: Vec<Token>,
         extra_token: bool,
     },
     Plan {
         batch: Batch,
-        query_lens: Vec<QueryLen>,
+        query_lens: Vec<Count>,
+    },
+    Commit {
+        batch: Batch,
+        upto: Option<Vec<Count>>,
+        extra_count: bool,
     },
     Fork {
         parent: SeqRef,
@@ -687,11 +1140,16 @@ enum Op {
     SwapOut {
         batch: Batch,
     },
+    ConfirmSwapOut {
+        batch: Batch,
+    },
     SwapIn {
         batch: Batch,
     },
+    ConfirmSwapIn {
+        batch: Batch,
+    },
     ResetPrefixCache,
-    TakeCopies,
     TakeEvents,
 }
 
@@ -732,29 +1190,53 @@ fn batch(max: usize) -> impl Strategy<Value = Batch> {
         .prop_map(|(picks, extra)| Batch { picks, extra })
 }
 
+fn count() -> impl Strategy<Value = Count> {
+    prop_oneof![
+        10 => Just(Count::Rest),
+        5 => any::<u32>().prop_map(Count::Valid),
+        1 => (0u32..20).prop_map(Count::Raw),
+    ]
+}
+
 fn op() -> impl Strategy<Value = Op> {
     let append_tokens = prop_oneof![
         15 => prop::collection::vec(token(), 1..=5),
         1 => Just(Vec::new()),
     ];
-    let query_len = prop_oneof![
-        15 => any::<u32>().prop_map(QueryLen::Valid),
-        1 => (0u32..20).prop_map(QueryLen::Raw),
-    ];
     prop_oneof![
         8 => (new_ref(), prompt()).prop_map(|(seq, prompt)| Op::Allocate { seq, prompt }),
+        2 => (new_ref(), prompt(), 0usize..6)
+            .prop_map(|(seq, prompt, loadable)| Op::AllocateLoading { seq, prompt, loadable }),
+        2 => (live_ref(), count()).prop_map(|(seq, loaded)| Op::ConfirmLoads { seq, loaded }),
         2 => prompt().prop_map(|prompt| Op::CanAllocate { prompt }),
-        5 => (live_ref(), append_tokens).prop_map(|(seq, tokens)| Op::Append { seq, tokens }),
-        6 => (batch(4), prop::collection::vec(token(), 4), prop::bool::weighted(0.03))
-            .prop_map(|(batch, tokens, extra_token)| Op::Step { batch, tokens, extra_token }),
-        2 => (batch(4), prop::collection::vec(query_len, 5))
+        4 => (live_ref(), append_tokens).prop_map(|(seq, tokens)| Op::Append { seq, tokens }),
+        7 => (
+            batch(4),
+            prop::bool::weighted(0.9),
+            prop::collection::vec(token(), 4),
+            prop::bool::weighted(0.03),
+        )
+            .prop_map(|(batch, ready, tokens, extra_token)| Op::Step {
+                batch,
+                ready,
+                tokens,
+                extra_token
+            }),
+        6 => (batch(4), prop::collection::vec(count(), 5))
             .prop_map(|(batch, query_lens)| Op::Plan { batch, query_lens }),
+        3 => (
+            batch(3),
+            prop::option::weighted(0.3, prop::collection::vec(count(), 4)),
+            prop::bool::weighted(0.05),
+        )
+            .prop_map(|(batch, upto, extra_count)| Op::Commit { batch, upto, extra_count }),
         2 => (live_ref(), new_ref()).prop_map(|(parent, child)| Op::Fork { parent, child }),
-        6 => live_ref().prop_map(|seq| Op::Free { seq }),
+        5 => live_ref().prop_map(|seq| Op::Free { seq }),
         2 => batch(2).prop_map(|batch| Op::SwapOut { batch }),
+        2 => batch(2).prop_map(|batch| Op::ConfirmSwapOut { batch }),
         2 => batch(3).prop_map(|batch| Op::SwapIn { batch }),
+        2 => batch(2).prop_map(|batch| Op::ConfirmSwapIn { batch }),
         1 => Just(Op::ResetPrefixCache),
-        2 => Just(Op::TakeCopies),
         2 => Just(Op::TakeEvents),
     ]
 }
@@ -768,15 +1250,17 @@ fn config() -> impl Strategy<Value = Config> {
         prop_oneof![Just(0.0), Just(0.01), Just(0.1), Just(0.3)],
         prop::option::weighted(0.2, Just([7u8; 32])),
         prop::bool::weighted(0.7),
+        prop::bool::weighted(0.75),
     )
         .prop_map(
-            |(num_blocks, bs, cpu, caching, watermark, hash_key, events)| {
+            |(num_blocks, bs, cpu, caching, watermark, hash_key, events, auto_commit)| {
                 let mut c = Config::new(num_blocks, bs);
                 c.num_cpu_blocks = cpu;
                 c.enable_prefix_caching = caching;
                 c.watermark = watermark;
                 c.hash_key = hash_key;
                 c.enable_events = events;
+                c.auto_commit = auto_commit;
                 c
             },
         )
@@ -849,6 +1333,8 @@ fn same_plan(real: &Plan, model: &Plan) -> Result<(), TestCaseError> {
     prop_assert_eq!(&real.positions, &model.positions, "positions");
     prop_assert_eq!(&real.block_tables, &model.block_tables, "block_tables");
     prop_assert_eq!(real.max_blocks, model.max_blocks, "max_blocks");
+    prop_assert_eq!(&real.copies, &model.copies, "copies");
+    prop_assert_eq!(real.num_copies(), model.copies.len() / 2, "num_copies");
     prop_assert_eq!(
         real.batch_size(),
         model.kv_last_page_len.len(),
@@ -860,6 +1346,18 @@ fn same_plan(real: &Plan, model: &Plan) -> Result<(), TestCaseError> {
         "num_query_tokens"
     );
     Ok(())
+}
+
+/// The `(planned, computed, len, loads)` of a live sequence, for resolving counts.
+fn progress(m: Option<&ModelSeq>) -> (usize, usize, usize, usize) {
+    m.map_or((0, 0, 1, 0), |m| {
+        (
+            m.planned,
+            m.computed,
+            m.tokens.len(),
+            m.loading.map_or(0, |l| l.1),
+        )
+    })
 }
 
 impl Harness {
@@ -875,12 +1373,12 @@ impl Harness {
         }
     }
 
-    /// Live sequences of the model, on the GPU (`swapped == false`) or CPU.
-    fn live(&self, swapped: bool) -> Vec<SeqId> {
+    /// Live sequences of the model in the wanted state.
+    fn live(&self, want: Want) -> Vec<SeqId> {
         self.model
             .seqs
             .iter()
-            .filter(|(_, m)| m.swapped == swapped)
+            .filter(|(_, m)| want.matches(m))
             .map(|(&s, _)| s)
             .collect()
     }
@@ -889,10 +1387,14 @@ impl Harness {
         (0..).find(|s| !self.model.seqs.contains_key(s)).unwrap()
     }
 
-    fn resolve(&self, r: &SeqRef, swapped: bool) -> SeqId {
+    /// A sequence in the wanted state; failing that any live one; failing that a fresh id.
+    fn resolve(&self, r: &SeqRef, want: Want) -> SeqId {
         match r {
             SeqRef::Live(i) => {
-                let live = self.live(swapped);
+                let mut live = self.live(want);
+                if live.is_empty() {
+                    live = self.live(Want::Any);
+                }
                 if live.is_empty() {
                     self.fresh()
                 } else {
@@ -904,8 +1406,8 @@ impl Harness {
         }
     }
 
-    fn resolve_batch(&self, b: &Batch, swapped: bool) -> Vec<SeqId> {
-        let mut pool = self.live(swapped);
+    fn resolve_batch(&self, b: &Batch, want: Want) -> Vec<SeqId> {
+        let mut pool = self.live(want);
         let mut out = Vec::new();
         for p in &b.picks {
             if pool.is_empty() {
@@ -928,20 +1430,51 @@ impl Harness {
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
         match op {
             Op::Allocate { seq, prompt } => {
-                let seq = self.resolve(seq, false);
+                let seq = self.resolve(seq, Want::Any);
                 let tokens = prompt.tokens();
                 let real = self.real.allocate(seq, &tokens, prompt.salt());
-                same(real, self.model.allocate(seq, &tokens, prompt.salt()))?;
+                let model = self.model.admit(seq, &tokens, prompt.salt(), None);
+                same(real, model.map(|(reused, _)| reused))?;
+            }
+            Op::AllocateLoading {
+                seq,
+                prompt,
+                loadable,
+            } => {
+                let seq = self.resolve(seq, Want::Any);
+                let tokens = prompt.tokens();
+                let real = self
+                    .real
+                    .allocate_loading(seq, &tokens, *loadable, prompt.salt());
+                let model = self
+                    .model
+                    .admit(seq, &tokens, prompt.salt(), Some(*loadable));
+                same(real, model)?;
+            }
+            Op::ConfirmLoads { seq, loaded } => {
+                let seq = self.resolve(seq, Want::Loading);
+                let (.., loads) = progress(self.model.seqs.get(&seq));
+                let loaded = loaded.resolve(0, loads, loads);
+                same(
+                    self.real.confirm_loads(seq, loaded),
+                    self.model.confirm_loads(seq, loaded),
+                )?;
             }
             Op::CanAllocate { prompt } => {
                 let tokens = prompt.tokens();
                 if !tokens.is_empty() {
                     let real = self.real.can_allocate(&tokens, prompt.salt());
                     prop_assert_eq!(real, self.model.can_allocate(&tokens, prompt.salt()));
+                    let salt = prompt.salt().map(<[u8]>::to_vec);
+                    prop_assert_eq!(
+                        self.real.cached_prefix_blocks(&tokens, prompt.salt()),
+                        self.model.lookup(&tokens, &salt).len(),
+                        "cached_prefix_blocks"
+                    );
                 }
             }
             Op::Append { seq, tokens } => {
-                let seq = self.resolve(seq, false);
+                let seq = self.resolve(seq, Want::Resident);
                 same(
                     self.real.append(seq, tokens),
                     self.model.append(seq, tokens),
@@ -949,10 +1482,12 @@ impl Harness {
             }
             Op::Step {
                 batch,
+                ready,
                 tokens,
                 extra_token,
             } => {
-                let seqs = self.resolve_batch(batch, false);
+                let want = if *ready { Want::Ready } else { Want::Resident };
+                let seqs = self.resolve_batch(batch, want);
                 if seqs.is_empty() {
                     return Ok(());
                 }
@@ -966,59 +1501,97 @@ impl Harness {
                 self.same_planned(real, model)?;
             }
             Op::Plan { batch, query_lens } => {
-                let seqs = self.resolve_batch(batch, false);
+                let seqs = self.resolve_batch(batch, Want::Resident);
                 if seqs.is_empty() {
                     return Ok(());
                 }
                 let qs: Vec<u32> = seqs
                     .iter()
                     .zip(query_lens.iter().cycle())
-                    .map(|(s, q)| match (q, self.model.seqs.get(s)) {
-                        (QueryLen::Valid(i), Some(m)) => 1 + i % m.tokens.len() as u32,
-                        (QueryLen::Valid(_), None) => 1,
-                        (QueryLen::Raw(q), _) => *q,
+                    .map(|(s, q)| {
+                        let (planned, _, len, _) = progress(self.model.seqs.get(s));
+                        let lo = (len - planned).max(1);
+                        q.resolve(lo, len, lo) as u32
                     })
                     .collect();
                 let real = self.real.plan(&seqs, &qs, &mut self.plan);
                 let model = self.model.plan(&seqs, &qs);
                 self.same_planned(real, model)?;
             }
+            Op::Commit {
+                batch,
+                upto,
+                extra_count,
+            } => {
+                let seqs = self.resolve_batch(batch, Want::Resident);
+                if seqs.is_empty() {
+                    return Ok(());
+                }
+                let upto: Option<Vec<usize>> = upto.as_ref().map(|counts| {
+                    let mut upto: Vec<usize> = seqs
+                        .iter()
+                        .zip(counts.iter().cycle())
+                        .map(|(s, n)| {
+                            let (planned, ..) = progress(self.model.seqs.get(s));
+                            n.resolve(0, planned, planned)
+                        })
+                        .collect();
+                    if *extra_count {
+                        upto.push(0);
+                    }
+                    upto
+                });
+                same(
+                    self.real.commit(&seqs, upto.as_deref()),
+                    self.model.commit(&seqs, upto.as_deref()),
+                )?;
+            }
             Op::Fork { parent, child } => {
-                let parent = self.resolve(parent, false);
-                let child = self.resolve(child, false);
+                let parent = self.resolve(parent, Want::Ready);
+                let child = self.resolve(child, Want::Any);
                 same(
                     self.real.fork(parent, child),
                     self.model.fork(parent, child),
                 )?;
             }
             Op::Free { seq } => {
-                // Either state: free works on swapped-out sequences too.
-                let seq = match seq {
-                    SeqRef::Live(i) if !self.model.seqs.is_empty() => {
-                        let ids: Vec<SeqId> = self.model.seqs.keys().copied().collect();
-                        ids[i.index(ids.len())]
-                    }
-                    other => self.resolve(other, false),
-                };
+                let seq = self.resolve(seq, Want::Any);
                 same(self.real.free(seq), self.model.free(seq))?;
             }
             Op::SwapOut { batch } => {
-                let seqs = self.resolve_batch(batch, false);
+                let seqs = self.resolve_batch(batch, Want::Resident);
                 if !seqs.is_empty() {
                     same(self.real.swap_out(&seqs), self.model.swap_out(&seqs))?;
                 }
             }
+            Op::ConfirmSwapOut { batch } => {
+                let seqs = self.resolve_batch(batch, Want::SwapOutPending);
+                if !seqs.is_empty() {
+                    same(
+                        self.real.confirm_swap_out(&seqs),
+                        self.model.confirm_swap_out(&seqs),
+                    )?;
+                }
+            }
             Op::SwapIn { batch } => {
-                let seqs = self.resolve_batch(batch, true);
+                let seqs = self.resolve_batch(batch, Want::SwappedOut);
                 if !seqs.is_empty() {
                     same(self.real.swap_in(&seqs), self.model.swap_in(&seqs))?;
+                }
+            }
+            Op::ConfirmSwapIn { batch } => {
+                let seqs = self.resolve_batch(batch, Want::SwapInPending);
+                if !seqs.is_empty() {
+                    same(
+                        self.real.confirm_swap_in(&seqs),
+                        self.model.confirm_swap_in(&seqs),
+                    )?;
                 }
             }
             Op::ResetPrefixCache => {
                 self.real.reset_prefix_cache();
                 self.model.reset_prefix_cache();
             }
-            Op::TakeCopies => self.compare_copies()?,
             Op::TakeEvents => self.compare_events()?,
         }
         self.compare_state()
@@ -1033,6 +1606,7 @@ impl Harness {
             (Ok(()), Ok(m)) => same_plan(&self.plan, &m),
             (Err(r), Err(m)) => {
                 prop_assert!(allowed(&r, &m), "error {:?}, model allows {:?}", r, m);
+                prop_assert_eq!(self.plan.batch_size(), 0, "a failed plan is left empty");
                 Ok(())
             }
             (r, m) => {
@@ -1040,13 +1614,6 @@ impl Harness {
                 Ok(())
             }
         }
-    }
-
-    fn compare_copies(&mut self) -> Result<(), TestCaseError> {
-        let real = self.real.take_copies();
-        let model = std::mem::take(&mut self.model.copies);
-        prop_assert_eq!(real, model, "copies");
-        Ok(())
     }
 
     fn compare_events(&mut self) -> Result<(), TestCaseError> {
@@ -1073,13 +1640,18 @@ impl Harness {
                         block_hash,
                         parent_hash,
                         token_ids,
+                        block_id,
+                        medium,
                     },
                     ModelEvent::Stored {
                         key,
                         token_ids: m_tokens,
+                        block_id: m_block,
+                        medium: m_medium,
                     },
                 ) => {
                     prop_assert_eq!(token_ids, m_tokens);
+                    prop_assert_eq!((block_id, medium), (m_block, m_medium), "stored where");
                     self.binding.bind(key, *block_hash)?;
                     let (salt, prefix) = key;
                     if prefix.len() > bs {
@@ -1090,13 +1662,23 @@ impl Harness {
                             ));
                         };
                         self.binding.bind(&parent, *parent_hash)?;
-                    } else if let Some(h) = parent_hash {
-                        // The first block's parent, if reported, is the salt's root hash.
-                        let root = (salt.clone(), Vec::new());
-                        self.binding.bind(&root, *h)?;
+                    } else {
+                        prop_assert_eq!(parent_hash, &None, "a first block has no parent");
                     }
                 }
-                (EventKind::BlockRemoved { block_hash }, ModelEvent::Removed { key }) => {
+                (
+                    EventKind::BlockRemoved {
+                        block_hash,
+                        block_id,
+                        medium,
+                    },
+                    ModelEvent::Removed {
+                        key,
+                        block_id: m_block,
+                        medium: m_medium,
+                    },
+                ) => {
+                    prop_assert_eq!((block_id, medium), (m_block, m_medium), "removed where");
                     let stored = self.binding.by_key.get(key);
                     prop_assert_eq!(stored, Some(block_hash), "removed hash was never stored");
                 }
@@ -1130,6 +1712,12 @@ impl Harness {
                 "num_tokens of {}",
                 s
             );
+            prop_assert_eq!(
+                real.num_computed(s),
+                Ok(m.computed),
+                "num_computed of {}",
+                s
+            );
             let table = if m.swapped {
                 Err(Error::SwappedOut(s))
             } else {
@@ -1154,6 +1742,23 @@ impl Harness {
             "prefix_hit_tokens"
         );
         prop_assert_eq!(r.evictions, m.evictions, "evictions");
+        prop_assert_eq!(r.computed_tokens, m.computed_tokens, "computed_tokens");
+        prop_assert_eq!(r.pending_tokens, m.pending_tokens, "pending_tokens");
+        prop_assert_eq!(
+            r.external_query_tokens,
+            m.external_query_tokens,
+            "external_query_tokens"
+        );
+        prop_assert_eq!(
+            r.external_hit_tokens,
+            m.external_hit_tokens,
+            "external_hit_tokens"
+        );
+        prop_assert_eq!(
+            r.external_failures,
+            m.external_failures,
+            "external_failures"
+        );
         prop_assert!(
             (r.usage - m.usage).abs() < 1e-9,
             "usage {} vs {}",
@@ -1169,18 +1774,55 @@ impl Harness {
         Ok(())
     }
 
-    /// Drain what is pending and free every sequence: the pool must end with nothing held.
+    /// Free every sequence and drain the events: the pool must end with nothing held.
     fn finish(&mut self) -> Result<(), TestCaseError> {
-        self.compare_copies()?;
         let live: Vec<SeqId> = self.model.seqs.keys().copied().collect();
         for s in live {
             same(self.real.free(s), self.model.free(s))?;
             self.compare_state()?;
         }
         self.compare_events()?;
-        prop_assert_eq!(self.real.stats().num_held, 0);
-        prop_assert_eq!(self.real.stats().stored_tokens, 0);
+        let st = self.real.stats();
+        prop_assert_eq!((st.num_held, st.stored_tokens), (0, 0));
+        prop_assert_eq!((st.computed_tokens, st.pending_tokens), (0, 0));
         Ok(())
+    }
+}
+
+/// What all cases together exercised.
+#[derive(Debug, Default)]
+struct Summary {
+    cases: AtomicU64,
+    manual_commit_cases: AtomicU64,
+    hit_tokens: AtomicU64,
+    external_hit_tokens: AtomicU64,
+    evictions: AtomicU64,
+    copies: AtomicU64,
+    swap_outs: AtomicU64,
+    swap_ins: AtomicU64,
+    cpu_events: AtomicU64,
+    commits: AtomicU64,
+    out_of_blocks: AtomicU64,
+}
+
+impl Summary {
+    fn add(&self, model: &Model) {
+        let seen = model.seen;
+        for (counter, n) in [
+            (&self.cases, 1),
+            (&self.manual_commit_cases, u64::from(!model.auto_commit)),
+            (&self.hit_tokens, model.hit_tokens - model.external_hit),
+            (&self.external_hit_tokens, model.external_hit),
+            (&self.evictions, model.evictions),
+            (&self.copies, seen.copies),
+            (&self.swap_outs, seen.swap_outs),
+            (&self.swap_ins, seen.swap_ins),
+            (&self.cpu_events, seen.cpu_events),
+            (&self.commits, seen.commits),
+            (&self.out_of_blocks, seen.out_of_blocks),
+        ] {
+            counter.fetch_add(n, Ordering::Relaxed);
+        }
     }
 }
 
@@ -1191,20 +1833,45 @@ fn cases() -> u32 {
         .unwrap_or(DEFAULT_CASES)
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig {
+#[test]
+fn manager_matches_model() {
+    let mut runner = TestRunner::new(ProptestConfig {
         cases: cases(),
         // A failure prints the shrunk operation list; no regression file in the source tree.
         failure_persistence: None,
         ..ProptestConfig::default()
-    })]
-
-    #[test]
-    fn manager_matches_model(cfg in config(), ops in prop::collection::vec(op(), 1..=240)) {
+    });
+    let summary = Summary::default();
+    let strategy = (config(), prop::collection::vec(op(), 1..=240));
+    let result = runner.run(&strategy, |(cfg, ops)| {
         let mut h = Harness::new(cfg);
         for op in &ops {
             h.apply(op)?;
         }
         h.finish()?;
+        summary.add(&h.model);
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    eprintln!("model test: {summary:?}");
+    let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    if get(&summary.cases) < 200 {
+        return; // Too few cases (PROPTEST_CASES) to expect every scenario.
+    }
+    for (what, counter) in [
+        ("cases without auto-commit", &summary.manual_commit_cases),
+        ("prefix hits", &summary.hit_tokens),
+        ("external loads", &summary.external_hit_tokens),
+        ("evictions", &summary.evictions),
+        ("copies delivered in plans", &summary.copies),
+        ("confirmed swap-outs", &summary.swap_outs),
+        ("confirmed swap-ins", &summary.swap_ins),
+        ("CPU-tier events", &summary.cpu_events),
+        ("explicit commits", &summary.commits),
+        ("OutOfBlocks", &summary.out_of_blocks),
+    ] {
+        assert!(get(counter) > 0, "the run never exercised {what}");
     }
 }
