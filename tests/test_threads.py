@@ -1,9 +1,10 @@
 """Several Python threads drive one BlockManager at once, each through its own sequences.
 
-The threads share system prompts, so prefix hits, registrations and evictions of the same blocks
-race with each other. Each thread checks what only it can change (its sequences' tokens, tables
-and plans); afterwards the whole manager must pass check() and account for every block.
-"""
+The threads share system prompts, so prefix hits, registrations (at the commit of a prefill,
+which the next call naming the sequence makes) and evictions of the same blocks race with each
+other. Each thread checks what only it can change (its sequences' tokens, tables and plans);
+afterwards the whole manager must pass check() and account for every block. test_lifecycle.py
+adds the KV contents to this picture."""
 
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ NUM_BLOCKS = 192  # tight enough that threads evict each other's cached blocks
 SYSTEM_PROMPTS = [[p * 100 + i for i in range(24)] for p in range(3)]
 
 
-def drive(mgr: BlockManager, worker: int, barrier: threading.Barrier) -> dict[int, list[int]]:
-    """Run a random mix of operations on this worker's own sequences; return what is live."""
+def drive(
+    mgr: BlockManager, worker: int, barrier: threading.Barrier
+) -> tuple[dict[int, list[int]], int]:
+    """Run a random mix of operations on this worker's own sequences; return what is live and
+    how many copies-on-write its plans carried."""
     rng = random.Random(worker)
     live: dict[int, list[int]] = {}  # seq id -> the tokens it must hold
+    copies = 0
     next_id = worker * 1_000_000
     barrier.wait()
     for _ in range(OPS_PER_THREAD):
@@ -37,7 +42,11 @@ def drive(mgr: BlockManager, worker: int, barrier: threading.Barrier) -> dict[in
                 prompt = prompt + [rng.randrange(8) for _ in range(rng.randrange(1, 30))]
                 reused = mgr.allocate(next_id, prompt)
                 assert reused % BLOCK_SIZE == 0 and 0 <= reused < len(prompt)
+                assert mgr.num_computed(next_id) == reused
                 live[next_id] = prompt
+                # The prefill: the tokens the prefix cache did not hold.
+                plan = mgr.plan([next_id], [len(prompt) - reused])
+                assert plan.positions.tolist() == list(range(reused, len(prompt)))
                 next_id += 1
             elif op == "step":
                 batch = rng.sample(sorted(live), k=rng.randrange(1, len(live) + 1))
@@ -46,9 +55,11 @@ def drive(mgr: BlockManager, worker: int, barrier: threading.Barrier) -> dict[in
                 for seq_id, tok in zip(batch, tokens, strict=True):
                     live[seq_id].append(tok)
                 check_plan(mgr, plan, batch, live)
+                copies += len(plan.copies)
             elif op == "fork":
                 parent = rng.choice(sorted(live))
-                mgr.fork(parent, next_id)
+                mgr.fork(parent, next_id)  # commits the parent's latest plan first
+                assert mgr.num_computed(next_id) == len(live[parent])
                 live[next_id] = list(live[parent])
                 next_id += 1
             else:
@@ -63,7 +74,7 @@ def drive(mgr: BlockManager, worker: int, barrier: threading.Barrier) -> dict[in
         for seq_id in rng.sample(sorted(live), k=min(2, len(live))):
             assert mgr.token_ids(seq_id).tolist() == live[seq_id]
             assert len(mgr.block_table(seq_id)) == math.ceil(len(live[seq_id]) / BLOCK_SIZE)
-    return live
+    return live, copies
 
 
 def check_plan(mgr: BlockManager, plan: Any, batch: list[int], live: dict[int, list[int]]) -> None:
@@ -80,7 +91,7 @@ def check_plan(mgr: BlockManager, plan: Any, batch: list[int], live: dict[int, l
 def test_threads_share_one_manager() -> None:
     mgr = BlockManager(NUM_BLOCKS, BLOCK_SIZE, watermark=0.0)
     barrier = threading.Barrier(NUM_THREADS)
-    results: dict[int, dict[int, list[int]]] = {}
+    results: dict[int, tuple[dict[int, list[int]], int]] = {}
     errors: list[BaseException] = []
 
     def run(worker: int) -> None:
@@ -99,7 +110,7 @@ def test_threads_share_one_manager() -> None:
         raise errors[0]
 
     mgr.check()
-    live = {seq_id: toks for worker in results.values() for seq_id, toks in worker.items()}
+    live = {seq_id: toks for worker, _ in results.values() for seq_id, toks in worker.items()}
     assert len(mgr) == len(live)
     held = set()
     for seq_id, tokens in live.items():
@@ -107,8 +118,14 @@ def test_threads_share_one_manager() -> None:
         held.update(mgr.block_table(seq_id).tolist())
     stats = mgr.stats()
     assert stats.num_free + stats.num_cached + stats.num_held == NUM_BLOCKS
-    assert stats.num_held == len(held)
+    assert stats.num_held >= len(held)  # and copy sources whose step is not committed
     assert stats.evictions > 0 and stats.prefix_hit_tokens > 0  # the races were exercised
+    assert sum(copies for _, copies in results.values()) > 0
+
+    mgr.commit(sorted(live))  # the last forward pass of every sequence ran
+    assert stats.num_held >= mgr.stats().num_held == len(held)
+    assert mgr.stats().pending_tokens == 0
+    mgr.check()
 
     for seq_id in live:
         mgr.free(seq_id)
