@@ -818,11 +818,9 @@ impl BlockManager {
                 hold(&mut gpu_refs, block, Some(bs.fill(i, len)))?;
                 let state = gpu.states[block as usize];
                 if state.hashed() {
-                    // A block still waiting for this sequence's copy-in may be registered
-                    // only through another holder whose swap-in (of the same block) was
-                    // confirmed.
-                    let unconfirmed = s.swap_in_pending() && state.refcount() == 1;
-                    if (i + 1) * bs.get() > s.computed || unconfirmed {
+                    // A sequence waiting for its swap-in may still hold a registered block:
+                    // a sharer swapped in with it confirmed the block's copy.
+                    if (i + 1) * bs.get() > s.computed {
                         return Err(err(format!(
                             "block {block} is shared but its KV is not computed"
                         )));
@@ -1746,6 +1744,8 @@ mod tests {
         mgr.confirm_swap_in(&[1]).unwrap();
         // Block 0's copy-in is confirmed through sequence 1, though 2 still waits for its own.
         assert_eq!(mgr.cached_prefix_blocks(&[1, 2, 3], None), 1);
+        mgr.check().unwrap();
+        mgr.free(1).unwrap();
         mgr.check().unwrap();
         mgr.confirm_swap_in(&[2]).unwrap();
         mgr.check().unwrap();
