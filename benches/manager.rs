@@ -1,6 +1,8 @@
-//! `BlockManager` hot paths: per-token `append`, a decode `step` + plan at batch 256, and prefix
-//! lookup of a 1024-token prompt (hit, miss, and caching off as the baseline).
-//! Targets: step + plan at batch 256 <= 10 us; 1024-token hit (allocate + free) <= 5 us.
+//! `BlockManager` hot paths: per-token `append`, a decode `step` + plan at batch 256, and the
+//! admission of a 1024-token prompt through its prefill (hit, miss, and caching off as the
+//! baseline).
+//! Targets: step + plan at batch 256 <= 10 us; 1024-token hit (allocate, prefill plan, commit,
+//! free) <= 5 us.
 //!
 //! Bookkeeping that keeps lengths bounded (freeing and re-admitting sequences) runs outside the
 //! timed part, through `iter_custom`.
@@ -91,8 +93,9 @@ fn bench_append(c: &mut Criterion) {
     });
 }
 
-/// 256 running sequences of ~500-token prompts; each iteration is one `step` (one token each)
-/// with its plan, into a reused `Plan`. After `MAX_STEPS` the batch is re-admitted.
+/// 256 running sequences of ~500-token prompts, prefilled; each iteration is one `step` (one
+/// token each) with its plan, into a reused `Plan`, which also commits the previous step (its
+/// filled blocks become shareable). After `MAX_STEPS` the batch is re-admitted.
 fn bench_step(c: &mut Criterion) {
     const BATCH: usize = 256;
     const PROMPT: usize = 500;
@@ -101,20 +104,25 @@ fn bench_step(c: &mut Criterion) {
     let mgr = manager(BATCH as u32 * blocks_per_seq * 2, true);
     let mut tokens = Tokens(2);
     let mut next_id: SeqId = 0;
-    let mut admit = |mgr: &BlockManager, tokens: &mut Tokens| -> Vec<SeqId> {
-        (0..BATCH)
+    let mut plan = Plan::new();
+    let mut admit = |mgr: &BlockManager, tokens: &mut Tokens, plan: &mut Plan| -> Vec<SeqId> {
+        let mut prompt_lens = Vec::with_capacity(BATCH);
+        let seqs = (0..BATCH)
             .map(|i| {
                 next_id += 1;
                 // Prompt lengths vary a little so last pages fill at different steps.
                 let prompt = tokens.take(PROMPT - 8 + i % 16);
                 mgr.allocate(next_id, &prompt, None).unwrap();
+                prompt_lens.push(prompt.len() as u32);
                 next_id
             })
-            .collect()
+            .collect::<Vec<_>>();
+        // The prefill, so that decode steps may follow.
+        mgr.plan(&seqs, &prompt_lens, plan).unwrap();
+        seqs
     };
-    let mut seqs = admit(&mgr, &mut tokens);
+    let mut seqs = admit(&mgr, &mut tokens, &mut plan);
     let mut steps = 0;
-    let mut plan = Plan::new();
 
     let mut g = c.benchmark_group("decode");
     g.bench_function("step_plan/batch256", |b| {
@@ -136,7 +144,7 @@ fn bench_step(c: &mut Criterion) {
                     for &s in &seqs {
                         mgr.free(s).unwrap();
                     }
-                    seqs = admit(&mgr, &mut tokens);
+                    seqs = admit(&mgr, &mut tokens, &mut plan);
                     steps = 0;
                 }
             }
@@ -157,24 +165,36 @@ fn bench_step(c: &mut Criterion) {
     g.finish();
 }
 
-/// Allocate + free of a 1024-token prompt: its prefix cached (hit), never seen (miss: hashes
-/// computed, nothing matches, the blocks are registered), and with prefix caching off.
+/// One request's admission through its prefill: allocate, plan the tokens the prefix cache did
+/// not cover, commit that forward pass (which registers the computed full blocks), free.
+fn admit_prefilled(mgr: &BlockManager, prompt: &[Token], plan: &mut Plan) -> usize {
+    let reused = mgr.allocate(1, prompt, None).unwrap();
+    mgr.plan(&[1], &[(prompt.len() - reused) as u32], plan)
+        .unwrap();
+    mgr.commit(&[1], None).unwrap();
+    mgr.free(1).unwrap();
+    reused
+}
+
+/// The admission of a 1024-token prompt through its prefill (`admit_prefilled`): its prefix
+/// cached (hit), never seen (miss: hashes computed, nothing matches, the blocks are registered at
+/// commit), and with prefix caching off.
 fn bench_prefix(c: &mut Criterion) {
     const PROMPT: usize = 1024;
     let mut tokens = Tokens(3);
     let prompt = tokens.take(PROMPT);
+    let mut plan = Plan::new();
 
     let mut g = c.benchmark_group("prefix_1024_tokens");
     let mgr = manager(1024, true);
-    mgr.allocate(0, &prompt, None).unwrap();
-    mgr.free(0).unwrap();
+    admit_prefilled(&mgr, &prompt, &mut plan);
     let mut hits = 0;
+    let warm_hits = mgr.stats().prefix_hit_tokens;
     g.bench_function("hit", |b| {
         b.iter_custom(|iters| {
             let start = Instant::now();
             for _ in 0..iters {
-                black_box(mgr.allocate(1, black_box(&prompt), None).unwrap());
-                mgr.free(1).unwrap();
+                black_box(admit_prefilled(&mgr, black_box(&prompt), &mut plan));
             }
             hits += iters;
             record("hit", start.elapsed(), iters)
@@ -183,7 +203,7 @@ fn bench_prefix(c: &mut Criterion) {
     // Every allocation reused all but the last block (a hit never covers the last token).
     let reused = (PROMPT - BLOCK_SIZE as usize) as u64;
     assert_eq!(
-        mgr.stats().prefix_hit_tokens,
+        mgr.stats().prefix_hit_tokens - warm_hits,
         hits * reused,
         "every allocation must hit"
     );
@@ -198,8 +218,7 @@ fn bench_prefix(c: &mut Criterion) {
                 // A new first token makes every block's hash new.
                 first = first.wrapping_add(1);
                 miss[0] = first;
-                mgr.allocate(1, black_box(&miss), None).unwrap();
-                mgr.free(1).unwrap();
+                black_box(admit_prefilled(&mgr, black_box(&miss), &mut plan));
             }
             record("miss", start.elapsed(), iters)
         })
@@ -211,8 +230,7 @@ fn bench_prefix(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let start = Instant::now();
             for _ in 0..iters {
-                mgr.allocate(1, black_box(&prompt), None).unwrap();
-                mgr.free(1).unwrap();
+                black_box(admit_prefilled(&mgr, black_box(&prompt), &mut plan));
             }
             record("off", start.elapsed(), iters)
         })
@@ -241,14 +259,17 @@ fn main() {
     show("plan", "plan alone, batch 256");
     show(
         "hit",
-        "1024-token prefix hit, allocate + free (target <= 5 us)",
+        "1024-token prefix hit, allocate + prefill plan + commit + free (target <= 5 us)",
     );
-    show("miss", "1024-token prefix miss, allocate + free");
+    show(
+        "miss",
+        "1024-token prefix miss, allocate + prefill plan + commit + free",
+    );
     show(
         "off",
-        "1024-token prompt, prefix caching off, allocate + free",
+        "1024-token prompt, prefix caching off, allocate + prefill plan + commit + free",
     );
-    // The baseline: the same allocate + free with no hashing at all.
+    // The baseline: the same admission with no hashing at all.
     for (name, what) in [("hit", "prefix hit"), ("miss", "prefix miss")] {
         if let (Some(t), Some(off)) = (mean_ns(name), mean_ns("off")) {
             println!("{what} takes {:.2}x the time of caching off", t / off);

@@ -3,15 +3,19 @@
 //! are routine; afterwards every invariant must hold and every block must come back.
 //!
 //! Besides `check()`, the tests verify what no single thread can see: a physical block shared by
-//! several live sequences must hold the same tokens for all of them (a lost race between a prefix
-//! hit reviving a cached block and an eviction reusing it would break exactly this).
+//! several live sequences must hold the same tokens for all of them, and (in
+//! `threads_read_back_their_kv`) a simulated engine that writes each token's KV only where a plan
+//! says, applies the plan's copies and the swaps' pairs, and reads every sequence's whole KV
+//! back through its block table after each step must never read anything but its own KV.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Barrier;
 use std::thread;
 
-use pagedkv::{BlockManager, Config, Error, Event, EventKind, Plan, PoolKind, SeqId, Token};
+use pagedkv::{
+    BlockId, BlockManager, Config, Error, Event, EventKind, Plan, PoolKind, SeqId, Token,
+};
 
 /// A small deterministic generator (SplitMix64), so each thread's choices are reproducible.
 struct Rng(u64);
@@ -19,10 +23,7 @@ struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        mix(self.0)
     }
 
     fn below(&mut self, n: usize) -> usize {
@@ -35,11 +36,44 @@ impl Rng {
     }
 }
 
+/// SplitMix64's finalizer.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A swap the engine has not confirmed yet.
+enum PendingSwap {
+    Out,
+    In,
+}
+
 /// One thread's view of a sequence it owns.
 struct Owned {
     id: SeqId,
     tokens: Vec<Token>,
+    /// Tokens some plan covered (the rest were appended since).
+    planned: usize,
     swapped: bool,
+    pending: Option<PendingSwap>,
+}
+
+impl Owned {
+    fn new(id: SeqId, tokens: Vec<Token>, planned: usize) -> Owned {
+        Owned {
+            id,
+            tokens,
+            planned,
+            swapped: false,
+            pending: None,
+        }
+    }
+
+    /// On the GPU, nothing pending, every token planned: it may step, fork or swap out.
+    fn ready(&self) -> bool {
+        !self.swapped && self.pending.is_none() && self.planned == self.tokens.len()
+    }
 }
 
 /// Tallies across threads, to show the run exercised what it claims to.
@@ -48,8 +82,21 @@ struct Tally {
     out_of_blocks: AtomicU64,
     allocated: AtomicU64,
     steps: AtomicU64,
+    prefills: AtomicU64,
+    copies: AtomicU64,
     forks: AtomicU64,
     swaps: AtomicU64,
+    commits: AtomicU64,
+}
+
+impl Tally {
+    fn count(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
 }
 
 fn shared_prefixes(bs: usize) -> Vec<Vec<Token>> {
@@ -62,13 +109,15 @@ fn shared_prefixes(bs: usize) -> Vec<Vec<Token>> {
         .collect()
 }
 
-/// Replays the event stream: it must be gapless from 0, a hash may be stored only while absent
-/// and removed only while present (the cache is never reset in these tests).
+/// Replays the event stream: it must be gapless from 0, and in each medium a hash may be stored
+/// only while absent and removed only while present (the cache is never reset in these tests).
 #[derive(Default)]
 struct Replay {
     next_seq_no: u64,
-    cached: HashSet<u128>,
-    removed: u64,
+    gpu: HashSet<u128>,
+    cpu: HashSet<u128>,
+    gpu_removed: u64,
+    cpu_stored: u64,
 }
 
 impl Replay {
@@ -78,15 +127,29 @@ impl Replay {
             assert_eq!(n, self.next_seq_no, "event sequence numbers");
             self.next_seq_no += 1;
             match &e.kind {
-                EventKind::BlockStored { block_hash, .. } => {
-                    assert!(self.cached.insert(*block_hash), "event {n}: stored twice");
+                EventKind::BlockStored {
+                    block_hash, medium, ..
+                } => {
+                    let tier = match medium {
+                        PoolKind::Gpu => &mut self.gpu,
+                        PoolKind::Cpu => {
+                            self.cpu_stored += 1;
+                            &mut self.cpu
+                        }
+                    };
+                    assert!(tier.insert(*block_hash), "event {n}: stored twice");
                 }
-                EventKind::BlockRemoved { block_hash } => {
-                    assert!(
-                        self.cached.remove(block_hash),
-                        "event {n}: removed while absent"
-                    );
-                    self.removed += 1;
+                EventKind::BlockRemoved {
+                    block_hash, medium, ..
+                } => {
+                    let tier = match medium {
+                        PoolKind::Gpu => {
+                            self.gpu_removed += 1;
+                            &mut self.gpu
+                        }
+                        PoolKind::Cpu => &mut self.cpu,
+                    };
+                    assert!(tier.remove(block_hash), "event {n}: removed while absent");
                 }
                 EventKind::AllBlocksCleared => panic!("event {n}: nobody reset the cache"),
             }
@@ -99,6 +162,7 @@ fn verify_owned(mgr: &BlockManager, o: &Owned) {
     let bs = mgr.config().block_size as usize;
     assert_eq!(mgr.tokens(o.id).unwrap(), o.tokens, "tokens of {}", o.id);
     assert_eq!(mgr.num_tokens(o.id).unwrap(), o.tokens.len());
+    assert!(mgr.num_computed(o.id).unwrap() <= o.planned);
     match mgr.block_table(o.id) {
         Err(Error::SwappedOut(id)) => assert!(o.swapped && id == o.id),
         Ok(table) => {
@@ -110,28 +174,38 @@ fn verify_owned(mgr: &BlockManager, o: &Owned) {
     }
 }
 
-/// Asserts that a step's plan matches the sequences' tables and lengths.
-fn verify_step_plan(mgr: &BlockManager, batch: &[SeqId], plan: &Plan) {
+/// Asserts that a plan matches the sequences' tables and lengths, with `query_lens[b]` queries
+/// each, and that its copies are well formed; returns how many copies it carried.
+fn verify_plan(mgr: &BlockManager, batch: &[SeqId], query_lens: &[usize], plan: &Plan) -> u64 {
     let bs = mgr.config().block_size as usize;
+    let n = mgr.config().num_blocks as i32;
     assert_eq!(plan.batch_size(), batch.len());
-    assert_eq!(plan.num_query_tokens(), batch.len());
+    assert_eq!(plan.num_query_tokens(), query_lens.iter().sum::<usize>());
     for (b, &s) in batch.iter().enumerate() {
         let table = mgr.block_table(s).unwrap();
         let len = mgr.num_tokens(s).unwrap();
         let (lo, hi) = (plan.kv_indptr[b] as usize, plan.kv_indptr[b + 1] as usize);
         let indices: Vec<u32> = plan.kv_indices[lo..hi].iter().map(|&x| x as u32).collect();
         assert_eq!(indices, table);
-        let pos = len - 1;
-        assert_eq!(plan.positions[b], pos as i32);
-        assert_eq!(
-            plan.slot_mapping[b] as usize,
-            table[pos / bs] as usize * bs + pos % bs
-        );
+        let q0 = plan.qo_indptr[b] as usize;
+        assert_eq!(plan.qo_indptr[b + 1] as usize - q0, query_lens[b]);
+        for (j, pos) in (len - query_lens[b]..len).enumerate() {
+            assert_eq!(plan.positions[q0 + j], pos as i32);
+            assert_eq!(
+                plan.slot_mapping[q0 + j] as usize,
+                table[pos / bs] as usize * bs + pos % bs
+            );
+        }
         assert_eq!(
             plan.kv_last_page_len[b] as usize,
             len - (table.len() - 1) * bs
         );
     }
+    assert_eq!(plan.copies.len() % 2, 0);
+    for pair in plan.copies.chunks(2) {
+        assert!((0..n).contains(&pair[0]) && (0..n).contains(&pair[1]) && pair[0] != pair[1]);
+    }
+    plan.num_copies() as u64
 }
 
 /// Every physical block shared by several live, resident sequences must hold the same tokens
@@ -167,23 +241,38 @@ fn assert_accounted(mgr: &BlockManager) {
 }
 
 /// Frees a random owned sequence (the reaction to `OutOfBlocks`); false when none is owned.
-fn free_one(mgr: &BlockManager, rng: &mut Rng, live: &mut Vec<Owned>) -> bool {
-    if live.is_empty() {
-        return false;
+fn free_one<T>(mgr: &BlockManager, rng: &mut Rng, live: &mut Vec<T>, id: impl Fn(&T) -> SeqId) {
+    if !live.is_empty() {
+        let o = live.swap_remove(rng.below(live.len()));
+        mgr.free(id(&o)).unwrap();
     }
-    let o = live.swap_remove(rng.below(live.len()));
-    mgr.free(o.id).unwrap();
-    true
 }
 
 fn tolerate_oob(result: Result<(), Error>, tally: &Tally) -> bool {
     match result {
         Ok(()) => true,
         Err(Error::OutOfBlocks { .. }) => {
-            tally.out_of_blocks.fetch_add(1, Ordering::Relaxed);
+            Tally::count(&tally.out_of_blocks, 1);
             false
         }
         Err(e) => panic!("unexpected error: {e}"),
+    }
+}
+
+/// Picks a random subset (at least one) of `candidates`.
+fn subset(rng: &mut Rng, mut candidates: Vec<usize>) -> Vec<usize> {
+    while candidates.len() > 1 && rng.below(3) != 0 {
+        candidates.swap_remove(rng.below(candidates.len()));
+    }
+    candidates
+}
+
+/// Confirms an owned sequence's pending swap (the engine copied its pairs).
+fn confirm_pending(mgr: &BlockManager, o: &mut Owned) {
+    match o.pending.take() {
+        Some(PendingSwap::Out) => mgr.confirm_swap_out(&[o.id]).unwrap(),
+        Some(PendingSwap::In) => mgr.confirm_swap_in(&[o.id]).unwrap(),
+        None => {}
     }
 }
 
@@ -196,26 +285,32 @@ fn worker(mgr: &BlockManager, thread_id: u64, ops: usize, tally: &Tally) -> Vec<
     let mut live: Vec<Owned> = Vec::new();
     let mut next_id = thread_id << 40;
     let mut plan = Plan::new();
+    let id = |o: &Owned| o.id;
     for _ in 0..ops {
         let roll = rng.below(100);
-        let resident: Vec<usize> = (0..live.len()).filter(|&i| !live[i].swapped).collect();
-        let swapped: Vec<usize> = (0..live.len()).filter(|&i| live[i].swapped).collect();
+        let on_gpu = |o: &Owned| !o.swapped && o.pending.is_none();
+        let ready: Vec<usize> = (0..live.len()).filter(|&i| live[i].ready()).collect();
+        let unplanned: Vec<usize> = (0..live.len())
+            .filter(|&i| on_gpu(&live[i]) && !live[i].ready())
+            .collect();
+        let resident: Vec<usize> = (0..live.len()).filter(|&i| on_gpu(&live[i])).collect();
+        let pending: Vec<usize> = (0..live.len())
+            .filter(|&i| live[i].pending.is_some())
+            .collect();
+        let swapped: Vec<usize> = (0..live.len())
+            .filter(|&i| live[i].swapped && live[i].pending.is_none())
+            .collect();
         match roll {
-            0..=21 if live.len() < 6 => {
+            0..=19 if live.len() < 6 => {
                 let mut tokens = prefixes[rng.below(prefixes.len())].clone();
                 tokens.extend((0..1 + rng.below(3 * bs)).map(|_| rng.token()));
                 let salt = (rng.below(4) == 0).then_some(salt.as_slice());
                 next_id += 1;
-                let r = mgr.allocate(next_id, &tokens, salt);
-                match r {
+                match mgr.allocate(next_id, &tokens, salt) {
                     Ok(reused) => {
                         assert!(reused < tokens.len() && reused % bs == 0);
-                        tally.allocated.fetch_add(1, Ordering::Relaxed);
-                        live.push(Owned {
-                            id: next_id,
-                            tokens,
-                            swapped: false,
-                        });
+                        Tally::count(&tally.allocated, 1);
+                        live.push(Owned::new(next_id, tokens, reused));
                     }
                     Err(Error::OutOfBlocks {
                         pool: PoolKind::Gpu,
@@ -223,95 +318,111 @@ fn worker(mgr: &BlockManager, thread_id: u64, ops: usize, tally: &Tally) -> Vec<
                         available,
                     }) => {
                         assert!(needed > available);
-                        tally.out_of_blocks.fetch_add(1, Ordering::Relaxed);
-                        free_one(mgr, &mut rng, &mut live);
+                        Tally::count(&tally.out_of_blocks, 1);
+                        free_one(mgr, &mut rng, &mut live, id);
                     }
                     Err(e) => panic!("allocate: {e}"),
                 }
             }
-            22..=54 if !resident.is_empty() => {
-                let mut batch: Vec<usize> = resident.clone();
-                while batch.len() > 1 && rng.below(3) != 0 {
-                    batch.swap_remove(rng.below(batch.len()));
+            20..=31 if !unplanned.is_empty() => {
+                // A prefill (or chunk after appends): plan every unplanned token.
+                let batch = subset(&mut rng, unplanned);
+                let ids: Vec<SeqId> = batch.iter().map(|&i| live[i].id).collect();
+                let qs: Vec<usize> = batch
+                    .iter()
+                    .map(|&i| live[i].tokens.len() - live[i].planned)
+                    .collect();
+                let q32: Vec<u32> = qs.iter().map(|&q| q as u32).collect();
+                mgr.plan(&ids, &q32, &mut plan).unwrap();
+                Tally::count(&tally.copies, verify_plan(mgr, &ids, &qs, &plan));
+                for &i in &batch {
+                    live[i].planned = live[i].tokens.len();
                 }
+                Tally::count(&tally.prefills, 1);
+            }
+            32..=54 if !ready.is_empty() => {
+                let batch = subset(&mut rng, ready);
                 let ids: Vec<SeqId> = batch.iter().map(|&i| live[i].id).collect();
                 let toks: Vec<Token> = batch.iter().map(|_| rng.token()).collect();
                 if tolerate_oob(mgr.step(&ids, &toks, &mut plan), tally) {
                     for (&i, &t) in batch.iter().zip(&toks) {
                         live[i].tokens.push(t);
+                        live[i].planned += 1;
                     }
-                    verify_step_plan(mgr, &ids, &plan);
-                    tally.steps.fetch_add(1, Ordering::Relaxed);
+                    let ones = vec![1; ids.len()];
+                    Tally::count(&tally.copies, verify_plan(mgr, &ids, &ones, &plan));
+                    Tally::count(&tally.steps, 1);
                 } else {
-                    free_one(mgr, &mut rng, &mut live);
+                    free_one(mgr, &mut rng, &mut live, id);
                 }
             }
-            55..=64 if !resident.is_empty() => {
+            55..=62 if !resident.is_empty() => {
                 let i = resident[rng.below(resident.len())];
                 let toks: Vec<Token> = (0..1 + rng.below(2 * bs)).map(|_| rng.token()).collect();
                 if tolerate_oob(mgr.append(live[i].id, &toks), tally) {
                     live[i].tokens.extend_from_slice(&toks);
                     verify_owned(mgr, &live[i]);
                 } else {
-                    free_one(mgr, &mut rng, &mut live);
+                    free_one(mgr, &mut rng, &mut live, id);
                 }
             }
-            65..=72 if !resident.is_empty() && live.len() < 8 => {
-                let i = resident[rng.below(resident.len())];
+            63..=70 if !ready.is_empty() && live.len() < 8 => {
+                let i = ready[rng.below(ready.len())];
                 next_id += 1;
                 mgr.fork(live[i].id, next_id).unwrap();
                 let tokens = live[i].tokens.clone();
-                live.push(Owned {
-                    id: next_id,
-                    tokens,
-                    swapped: false,
-                });
-                tally.forks.fetch_add(1, Ordering::Relaxed);
+                live.push(Owned::new(next_id, tokens.clone(), tokens.len()));
+                Tally::count(&tally.forks, 1);
             }
-            73..=84 => {
-                free_one(mgr, &mut rng, &mut live);
-            }
-            85..=91 if !resident.is_empty() => {
-                let i = resident[rng.below(resident.len())];
+            71..=80 => free_one(mgr, &mut rng, &mut live, id),
+            81..=86 if !ready.is_empty() => {
+                let i = ready[rng.below(ready.len())];
                 match mgr.swap_out(&[live[i].id]) {
                     Ok(pairs) => {
                         assert!(!pairs.is_empty());
                         live[i].swapped = true;
-                        tally.swaps.fetch_add(1, Ordering::Relaxed);
+                        live[i].pending = Some(PendingSwap::Out);
+                        Tally::count(&tally.swaps, 1);
                     }
                     Err(Error::OutOfBlocks {
                         pool: PoolKind::Cpu,
                         ..
-                    }) => {
-                        tally.out_of_blocks.fetch_add(1, Ordering::Relaxed);
-                    }
+                    }) => Tally::count(&tally.out_of_blocks, 1),
                     Err(e) => panic!("swap_out: {e}"),
                 }
                 verify_owned(mgr, &live[i]);
             }
-            92..=98 if !swapped.is_empty() => {
+            87..=92 if !swapped.is_empty() => {
                 let i = swapped[rng.below(swapped.len())];
                 match mgr.swap_in(&[live[i].id]) {
                     Ok(pairs) => {
                         assert!(!pairs.is_empty());
                         live[i].swapped = false;
+                        live[i].pending = Some(PendingSwap::In);
                         verify_owned(mgr, &live[i]);
                     }
                     Err(Error::OutOfBlocks {
                         pool: PoolKind::Gpu,
                         ..
                     }) => {
-                        tally.out_of_blocks.fetch_add(1, Ordering::Relaxed);
-                        free_one(mgr, &mut rng, &mut live);
+                        Tally::count(&tally.out_of_blocks, 1);
+                        free_one(mgr, &mut rng, &mut live, id);
                     }
                     Err(e) => panic!("swap_in: {e}"),
                 }
             }
-            99 => {
-                let n = mgr.config().num_blocks;
-                for [src, dst] in mgr.take_copies() {
-                    assert!(src < n && dst < n && src != dst);
+            93..=96 if !pending.is_empty() => {
+                let i = pending[rng.below(pending.len())];
+                confirm_pending(mgr, &mut live[i]);
+            }
+            97..=99 if !resident.is_empty() => {
+                let batch = subset(&mut rng, resident);
+                let ids: Vec<SeqId> = batch.iter().map(|&i| live[i].id).collect();
+                mgr.commit(&ids, None).unwrap();
+                for &i in &batch {
+                    assert_eq!(mgr.num_computed(live[i].id).unwrap(), live[i].planned);
                 }
+                Tally::count(&tally.commits, 1);
             }
             _ => {}
         }
@@ -358,11 +469,13 @@ fn four_threads_share_one_manager() {
         let workers: Vec<_> = (0..THREADS)
             .map(|t| scope.spawn(move || worker(mgr, t + 1, ops, tally)))
             .collect();
-        let owned = workers
-            .into_iter()
-            .flat_map(|w| w.join().unwrap())
-            .collect();
+        // Stop the observer even if a worker panicked, then pass the panic on.
+        let joined: Vec<_> = workers.into_iter().map(|w| w.join()).collect();
         done.store(true, Ordering::Relaxed);
+        let owned = joined
+            .into_iter()
+            .flat_map(|j| j.unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+            .collect();
         (owned, observer.join().unwrap())
     });
 
@@ -379,11 +492,20 @@ fn four_threads_share_one_manager() {
     assert!(st.evictions > 0, "the pool never had to evict");
     assert!(st.prefix_hit_tokens > 0, "no prefix was ever reused");
     assert!(
-        tally.out_of_blocks.load(Ordering::Relaxed) > 0,
+        Tally::get(&tally.out_of_blocks) > 0,
         "the pool never ran out"
     );
-    assert!(tally.forks.load(Ordering::Relaxed) > 0 && tally.swaps.load(Ordering::Relaxed) > 0);
-    assert!(tally.steps.load(Ordering::Relaxed) > 0 && tally.allocated.load(Ordering::Relaxed) > 0);
+    for (what, counter) in [
+        ("forks", &tally.forks),
+        ("swaps", &tally.swaps),
+        ("steps", &tally.steps),
+        ("prefills", &tally.prefills),
+        ("copies", &tally.copies),
+        ("commits", &tally.commits),
+        ("allocations", &tally.allocated),
+    ] {
+        assert!(Tally::get(counter) > 0, "no {what}");
+    }
 
     for o in &owned {
         mgr.free(o.id).unwrap();
@@ -391,12 +513,386 @@ fn four_threads_share_one_manager() {
     assert_accounted(&mgr);
     let st = mgr.stats();
     assert_eq!((st.num_held, st.stored_tokens), (0, 0));
+    assert_eq!((st.computed_tokens, st.pending_tokens), (0, 0));
     assert!(mgr.is_empty());
 
-    // What was stored and not removed is exactly what is cached now (nothing is held).
+    // What was stored and not removed is exactly what each tier holds now (nothing is held, so
+    // the CPU tier is empty and the GPU one is the cached blocks).
     replay.feed(&mgr.take_events());
-    assert_eq!(replay.cached.len(), st.num_cached);
-    assert_eq!(replay.removed, st.evictions);
+    assert!(replay.cpu_stored > 0, "no swap-out reached the CPU tier");
+    assert!(replay.cpu.is_empty());
+    assert_eq!(replay.gpu.len(), st.num_cached);
+    assert_eq!(replay.gpu_removed, st.evictions);
+    let stored: HashSet<u128> = mgr.stored_hashes(PoolKind::Gpu).into_iter().collect();
+    assert_eq!(stored, replay.gpu);
+    assert!(mgr.stored_hashes(PoolKind::Cpu).is_empty());
+}
+
+/// The KV a simulated engine keeps: one value per slot of the GPU pool and of the CPU pool.
+/// Position `p` of a sequence holds `kv(tokens[..=p])`, so a slot read back through a block
+/// table proves which prefix wrote it.
+struct Engine {
+    bs: usize,
+    gpu: Vec<AtomicU64>,
+    cpu: Vec<AtomicU64>,
+}
+
+/// The KV values of every position of a prompt with this salt.
+fn kv_values(salt: u64, tokens: &[Token]) -> Vec<u64> {
+    let mut v = mix(salt ^ 0xC0FF_EE00);
+    tokens
+        .iter()
+        .map(|&t| {
+            v = mix(v ^ u64::from(t).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            v
+        })
+        .collect()
+}
+
+/// One thread's sequence with the KV values the engine must read back for it.
+struct KvSeq {
+    id: SeqId,
+    salt: u64,
+    tokens: Vec<Token>,
+    values: Vec<u64>,
+    /// Tokens whose KV the engine wrote (and, with auto-commit off, committed).
+    planned: usize,
+    /// Swapped out: the CPU table (derived from the swap's pairs).
+    cpu_table: Option<Vec<BlockId>>,
+    /// A swap whose pairs the engine copies when it confirms.
+    pending: Option<Vec<[BlockId; 2]>>,
+}
+
+impl KvSeq {
+    fn push(&mut self, token: Token) {
+        self.tokens.push(token);
+        self.values = kv_values(self.salt, &self.tokens);
+    }
+
+    fn ready(&self) -> bool {
+        self.cpu_table.is_none() && self.pending.is_none() && self.planned == self.tokens.len()
+    }
+}
+
+impl Engine {
+    fn new(config: &Config) -> Engine {
+        let slots = |blocks: u32| {
+            (0..blocks as usize * config.block_size as usize)
+                .map(|_| AtomicU64::new(0))
+                .collect()
+        };
+        Engine {
+            bs: config.block_size as usize,
+            gpu: slots(config.num_blocks),
+            cpu: slots(config.num_cpu_blocks),
+        }
+    }
+
+    fn copy_block(&self, from: &[AtomicU64], src: BlockId, to: &[AtomicU64], dst: BlockId) {
+        for o in 0..self.bs {
+            let v = from[src as usize * self.bs + o].load(Ordering::Relaxed);
+            to[dst as usize * self.bs + o].store(v, Ordering::Relaxed);
+        }
+    }
+
+    /// Runs a plan's forward pass: the copies first, then each query token's KV into its slot;
+    /// then every sequence of the batch reads its whole KV back through `kv_indices`.
+    fn run(&self, plan: &Plan, batch: &[&KvSeq]) -> u64 {
+        for pair in plan.copies.chunks(2) {
+            self.copy_block(&self.gpu, pair[0] as u32, &self.gpu, pair[1] as u32);
+        }
+        for (b, s) in batch.iter().enumerate() {
+            for j in plan.qo_indptr[b] as usize..plan.qo_indptr[b + 1] as usize {
+                let value = s.values[plan.positions[j] as usize];
+                self.gpu[plan.slot_mapping[j] as usize].store(value, Ordering::Relaxed);
+            }
+        }
+        for (b, s) in batch.iter().enumerate() {
+            let pages =
+                &plan.kv_indices[plan.kv_indptr[b] as usize..plan.kv_indptr[b + 1] as usize];
+            let kv_len = (pages.len() - 1) * self.bs + plan.kv_last_page_len[b] as usize;
+            assert_eq!(kv_len, s.tokens.len());
+            let table: Vec<BlockId> = pages.iter().map(|&p| p as BlockId).collect();
+            self.read_back(&self.gpu, &table, s, kv_len, "plan");
+        }
+        plan.num_copies() as u64
+    }
+
+    /// Asserts that the first `n` positions of `s` read its own KV through `table`.
+    fn read_back(&self, pool: &[AtomicU64], table: &[BlockId], s: &KvSeq, n: usize, when: &str) {
+        for p in 0..n {
+            let slot = table[p / self.bs] as usize * self.bs + p % self.bs;
+            let got = pool[slot].load(Ordering::Relaxed);
+            assert_eq!(
+                got, s.values[p],
+                "{when}: sequence {} reads wrong KV at position {p} (slot {slot})",
+                s.id
+            );
+        }
+    }
+
+    /// Copies a swap's pairs (GPU -> CPU for a swap-out, CPU -> GPU for a swap-in).
+    fn copy_pairs(&self, pairs: &[[BlockId; 2]], out: bool) {
+        let (from, to) = if out {
+            (&self.gpu, &self.cpu)
+        } else {
+            (&self.cpu, &self.gpu)
+        };
+        for &[src, dst] in pairs {
+            self.copy_block(from, src, to, dst);
+        }
+    }
+}
+
+/// Tallies of the slot-content run.
+#[derive(Debug, Default)]
+struct KvTally {
+    hit_reads: AtomicU64,
+    copies: AtomicU64,
+    swaps: AtomicU64,
+    forks: AtomicU64,
+    steps: AtomicU64,
+    out_of_blocks: AtomicU64,
+}
+
+/// Confirms a pending swap after copying its pairs, then reads the KV back where it now lives.
+fn confirm_kv(mgr: &BlockManager, engine: &Engine, s: &mut KvSeq) {
+    let Some(pairs) = s.pending.take() else {
+        return;
+    };
+    let n = s.planned;
+    if let Some(cpu) = &s.cpu_table {
+        engine.copy_pairs(&pairs, true);
+        mgr.confirm_swap_out(&[s.id]).unwrap();
+        engine.read_back(&engine.cpu, cpu, s, n, "swap-out");
+    } else {
+        engine.copy_pairs(&pairs, false);
+        mgr.confirm_swap_in(&[s.id]).unwrap();
+        let table = mgr.block_table(s.id).unwrap();
+        engine.read_back(&engine.gpu, &table, s, n, "swap-in");
+    }
+}
+
+/// One thread of the slot-content test: admits prompts over a shared system prompt, prefills,
+/// decodes, forks, swaps and frees, running every plan through the engine.
+fn kv_worker(mgr: &BlockManager, engine: &Engine, thread_id: u64, ops: usize, tally: &KvTally) {
+    let mut rng = Rng(0xD00D ^ thread_id.wrapping_mul(0x2545_F491_4F6C_DD1D));
+    let bs = engine.bs;
+    let auto_commit = mgr.config().auto_commit;
+    let system: Vec<Token> = (0..3 * bs as Token + 1).collect();
+    let mut live: Vec<KvSeq> = Vec::new();
+    let mut next_id = thread_id << 40;
+    let mut plan = Plan::new();
+    let oob = |r: &Error| matches!(r, Error::OutOfBlocks { .. });
+    for _ in 0..ops {
+        let ready: Vec<usize> = (0..live.len()).filter(|&i| live[i].ready()).collect();
+        let unplanned: Vec<usize> = (0..live.len())
+            .filter(|&i| {
+                let s = &live[i];
+                s.cpu_table.is_none() && s.pending.is_none() && s.planned < s.tokens.len()
+            })
+            .collect();
+        match rng.below(100) {
+            0..=17 if live.len() < 5 => {
+                let mut tokens = system[..system.len() - rng.below(bs + 1)].to_vec();
+                tokens.extend((0..1 + rng.below(2 * bs)).map(|_| rng.token()));
+                // A few tenants with their own salt, so salts must keep prefixes apart.
+                let salt_id = if rng.below(5) == 0 { thread_id } else { 0 };
+                let salt_bytes = salt_id.to_le_bytes();
+                let salt = (salt_id != 0).then_some(&salt_bytes[..]);
+                next_id += 1;
+                match mgr.allocate(next_id, &tokens, salt) {
+                    Ok(reused) => {
+                        let s = KvSeq {
+                            id: next_id,
+                            salt: salt_id,
+                            values: kv_values(salt_id, &tokens),
+                            tokens,
+                            planned: reused,
+                            cpu_table: None,
+                            pending: None,
+                        };
+                        // A hit must already hold this prefix's KV.
+                        let table = mgr.block_table(s.id).unwrap();
+                        engine.read_back(&engine.gpu, &table, &s, reused, "hit");
+                        if reused > 0 {
+                            Tally::count(&tally.hit_reads, 1);
+                        }
+                        live.push(s);
+                    }
+                    Err(e) if oob(&e) => {
+                        Tally::count(&tally.out_of_blocks, 1);
+                        free_one(mgr, &mut rng, &mut live, |s: &KvSeq| s.id);
+                    }
+                    Err(e) => panic!("allocate: {e}"),
+                }
+            }
+            18..=65 if !ready.is_empty() || !unplanned.is_empty() => {
+                // One engine step: the ready sequences decode, the others prefill what no plan
+                // covered (a step is only for ready ones, so mixed batches go through `plan`).
+                let decode = rng.below(2) == 0 && !ready.is_empty();
+                let batch = subset(&mut rng, if decode { ready } else { unplanned });
+                let ids: Vec<SeqId> = batch.iter().map(|&i| live[i].id).collect();
+                let result = if decode {
+                    let toks: Vec<Token> = batch.iter().map(|_| rng.token()).collect();
+                    mgr.step(&ids, &toks, &mut plan).inspect(|()| {
+                        for (&i, &t) in batch.iter().zip(&toks) {
+                            live[i].push(t);
+                        }
+                    })
+                } else {
+                    let qs: Vec<u32> = batch
+                        .iter()
+                        .map(|&i| (live[i].tokens.len() - live[i].planned) as u32)
+                        .collect();
+                    mgr.plan(&ids, &qs, &mut plan)
+                };
+                match result {
+                    Ok(()) => {
+                        let seqs: Vec<&KvSeq> = batch.iter().map(|&i| &live[i]).collect();
+                        Tally::count(&tally.copies, engine.run(&plan, &seqs));
+                        for &i in &batch {
+                            live[i].planned = live[i].tokens.len();
+                        }
+                        if !auto_commit {
+                            mgr.commit(&ids, None).unwrap();
+                        }
+                        Tally::count(&tally.steps, 1);
+                    }
+                    Err(e) if oob(&e) => {
+                        Tally::count(&tally.out_of_blocks, 1);
+                        free_one(mgr, &mut rng, &mut live, |s: &KvSeq| s.id);
+                    }
+                    Err(e) => panic!("step: {e}"),
+                }
+            }
+            66..=72 if !ready.is_empty() => {
+                let i = ready[rng.below(ready.len())];
+                let toks: Vec<Token> = (0..1 + rng.below(bs)).map(|_| rng.token()).collect();
+                match mgr.append(live[i].id, &toks) {
+                    Ok(()) => toks.iter().for_each(|&t| live[i].push(t)),
+                    Err(e) if oob(&e) => Tally::count(&tally.out_of_blocks, 1),
+                    Err(e) => panic!("append: {e}"),
+                }
+            }
+            73..=79 if !ready.is_empty() && live.len() < 7 => {
+                let i = ready[rng.below(ready.len())];
+                next_id += 1;
+                mgr.fork(live[i].id, next_id).unwrap();
+                let parent = &live[i];
+                let child = KvSeq {
+                    id: next_id,
+                    salt: parent.salt,
+                    tokens: parent.tokens.clone(),
+                    values: parent.values.clone(),
+                    planned: parent.planned,
+                    cpu_table: None,
+                    pending: None,
+                };
+                live.push(child);
+                Tally::count(&tally.forks, 1);
+            }
+            80..=87 => free_one(mgr, &mut rng, &mut live, |s: &KvSeq| s.id),
+            88..=92 if !ready.is_empty() => {
+                let i = ready[rng.below(ready.len())];
+                let gpu_table = mgr.block_table(live[i].id).unwrap();
+                match mgr.swap_out(&[live[i].id]) {
+                    Ok(pairs) => {
+                        let to: HashMap<BlockId, BlockId> =
+                            pairs.iter().map(|&[g, c]| (g, c)).collect();
+                        live[i].cpu_table = Some(gpu_table.iter().map(|g| to[g]).collect());
+                        live[i].pending = Some(pairs);
+                        Tally::count(&tally.swaps, 1);
+                    }
+                    Err(e) if oob(&e) => Tally::count(&tally.out_of_blocks, 1),
+                    Err(e) => panic!("swap_out: {e}"),
+                }
+            }
+            93..=96 => {
+                // Swap in a confirmed swapped-out sequence.
+                let out: Vec<usize> = (0..live.len())
+                    .filter(|&i| live[i].cpu_table.is_some() && live[i].pending.is_none())
+                    .collect();
+                if let Some(&i) = out.get(rng.below(out.len().max(1))) {
+                    match mgr.swap_in(&[live[i].id]) {
+                        Ok(pairs) => {
+                            let cpu = live[i].cpu_table.take().unwrap();
+                            let to: HashMap<BlockId, BlockId> =
+                                pairs.iter().map(|&[c, g]| (c, g)).collect();
+                            let table: Vec<BlockId> = cpu.iter().map(|c| to[c]).collect();
+                            assert_eq!(mgr.block_table(live[i].id).unwrap(), table);
+                            live[i].pending = Some(pairs);
+                        }
+                        Err(e) if oob(&e) => {
+                            Tally::count(&tally.out_of_blocks, 1);
+                            free_one(mgr, &mut rng, &mut live, |s: &KvSeq| s.id);
+                        }
+                        Err(e) => panic!("swap_in: {e}"),
+                    }
+                }
+            }
+            97..=99 => {
+                let pending: Vec<usize> = (0..live.len())
+                    .filter(|&i| live[i].pending.is_some())
+                    .collect();
+                if let Some(&i) = pending.get(rng.below(pending.len().max(1))) {
+                    confirm_kv(mgr, engine, &mut live[i]);
+                }
+            }
+            _ => {}
+        }
+    }
+    for mut s in live {
+        confirm_kv(mgr, engine, &mut s);
+        if s.cpu_table.is_none() {
+            let table = mgr.block_table(s.id).unwrap();
+            engine.read_back(&engine.gpu, &table, &s, s.planned, "end");
+        }
+        mgr.free(s.id).unwrap();
+    }
+}
+
+/// Threads share one manager and one simulated KV cache: prefix hits across threads, forks,
+/// copy-on-write, swaps and evictions must never let a sequence read KV that is not its own.
+#[test]
+fn threads_read_back_their_kv() {
+    const THREADS: u64 = 4;
+    let ops = if cfg!(debug_assertions) {
+        5_000
+    } else {
+        60_000
+    };
+    for auto_commit in [true, false] {
+        let mut cfg = Config::new(64, 4);
+        cfg.num_cpu_blocks = 32;
+        cfg.watermark = 0.0;
+        cfg.auto_commit = auto_commit;
+        let mgr = BlockManager::new(cfg.clone()).unwrap();
+        let engine = Engine::new(&cfg);
+        let tally = KvTally::default();
+        thread::scope(|scope| {
+            for t in 0..THREADS {
+                let (mgr, engine, tally) = (&mgr, &engine, &tally);
+                scope.spawn(move || kv_worker(mgr, engine, t + 1, ops, tally));
+            }
+        });
+        assert_accounted(&mgr);
+        let st = mgr.stats();
+        eprintln!("slot contents (auto_commit {auto_commit}): {tally:?}, {st:?}");
+        assert!(mgr.is_empty());
+        assert_eq!((st.num_held, st.stored_tokens), (0, 0));
+        assert!(st.evictions > 0, "the pool never had to evict");
+        for (what, counter) in [
+            ("prefix hits read back", &tally.hit_reads),
+            ("copies", &tally.copies),
+            ("swaps", &tally.swaps),
+            ("forks", &tally.forks),
+            ("steps", &tally.steps),
+            ("OutOfBlocks", &tally.out_of_blocks),
+        ] {
+            assert!(Tally::get(counter) > 0, "no {what}");
+        }
+    }
 }
 
 /// Threads hit one cached prefix while others force its blocks out: each hit must either revive
@@ -447,6 +943,11 @@ fn prefix_revival_races_eviction() {
         let mut tokens = prefix.clone();
         tokens.push(1_000_000);
         mgr.allocate(warm, &tokens, None).unwrap();
+        // Its prefill ran: the prefix is computed, so its full blocks become cached.
+        let mut plan = Plan::new();
+        mgr.plan(&[warm], &[tokens.len() as u32], &mut plan)
+            .unwrap();
+        mgr.commit(&[warm], None).unwrap();
         mgr.free(warm).unwrap();
         let filler = next_id.fetch_add(1, Ordering::Relaxed);
         let filler_blocks = NUM_BLOCKS - PREFIX_BLOCKS - SPARE_FREE;
