@@ -120,6 +120,11 @@ impl BlockManager {
     /// A manager with every block FREE.
     pub fn new(config: Config) -> Result<BlockManager, Error> {
         config.validate()?;
+        let pool = |name: &str, blocks: u32| {
+            BlockPool::new(blocks).map_err(|e| e.naming(format!("{name} = {blocks}")))
+        };
+        let gpu = pool("num_blocks", config.num_blocks)?;
+        let cpu = pool("num_cpu_blocks", config.num_cpu_blocks)?;
         let prefix = if config.enable_prefix_caching {
             let key = match config.hash_key {
                 Some(key) => key,
@@ -139,14 +144,11 @@ impl BlockManager {
         } else {
             None
         };
-        let pool = |name: &str, blocks: u32| {
-            BlockPool::new(blocks).map_err(|e| e.naming(format!("{name} = {blocks}")))
-        };
         Ok(BlockManager {
             bs: BlockSize::new(config.block_size as usize),
             watermark_blocks: (config.watermark * f64::from(config.num_blocks)) as usize,
-            gpu: pool("num_blocks", config.num_blocks)?,
-            cpu: pool("num_cpu_blocks", config.num_cpu_blocks)?,
+            gpu,
+            cpu,
             prefix,
             seqs: SequenceMap::new(),
             cpu_tier: CpuTier::default(),
