@@ -25,12 +25,13 @@ step "rust: fmt, clippy"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
+# The `ci` profile: optimized, with debug assertions and overflow checks on.
 step "rust: unit, doc, property and stress tests"
-cargo test -p pagedkv --release
+cargo test -p pagedkv --profile ci
 
 step "rust: loom model checks"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/loom" \
-    cargo test -p pagedkv --release --lib loom
+    cargo test -p pagedkv --profile ci --lib loom
 
 step "python: ruff, mypy --strict, stubtest"
 python3 -m ruff check python tests benches examples

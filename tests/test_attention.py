@@ -39,6 +39,7 @@ class HandPlan:
     qo_indptr: npt.NDArray[np.int32]
     slot_mapping: npt.NDArray[np.int32]
     positions: npt.NDArray[np.int32]
+    block_size: int
     block_tables: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros((0, 0), np.int32))
 
 
@@ -65,7 +66,7 @@ def make_plan(
         return np.asarray(xs, dtype=np.int32)
 
     return HandPlan(
-        i32(indptr), i32(indices), i32(last), i32(qo), i32(slots), i32(positions), padded
+        i32(indptr), i32(indices), i32(last), i32(qo), i32(slots), i32(positions), bs, padded
     )
 
 

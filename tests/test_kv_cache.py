@@ -16,9 +16,10 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 @dataclass
 class Slots:
-    """Just the field of a `Plan` that `write` reads."""
+    """Just the fields of a `Plan` that `write` reads."""
 
     slot_mapping: npt.NDArray[np.int32]
+    block_size: int
 
 
 def filled(cache: KVCache, seed: int) -> KVCache:
@@ -63,7 +64,7 @@ def test_write_scatters_by_slot_mapping(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(5, 2, 8, generator=gen).to(dtype)
     v = torch.randn(5, 2, 8, generator=gen).to(dtype)
-    cache.write(1, k, v, Slots(slots))
+    cache.write(1, k, v, Slots(slots, bs))
     t = cache.layer(1)
     for i, s in enumerate(slots):
         assert torch.equal(t[s // bs, 0, s % bs], k[i])
@@ -79,7 +80,7 @@ def test_write_accepts_plan_array_and_prepared_tensor() -> None:
     slots = np.array([3, 1], dtype=np.int32)
     k = torch.ones(2, 1, 2)
     results = []
-    for arg in (Slots(slots), slots, torch.from_numpy(slots)):
+    for arg in (Slots(slots, 2), slots, torch.from_numpy(slots)):
         cache = KVCache(1, 2, 2, 1, 2, dtype=torch.float32)
         prepared = cache.slot_tensor(arg)
         assert prepared.dtype == torch.int64
@@ -239,7 +240,7 @@ def test_cuda_write_copy_and_swap_with_pinned_cpu_cache(dtype: torch.dtype) -> N
     k = torch.randn(5, 2, 64, device="cuda").to(dtype)
     slots = np.array([3, 17, 40, 100, 127], dtype=np.int32)
     for layer in range(2):
-        gpu.write(layer, k, -k, Slots(slots))
+        gpu.write(layer, k, -k, Slots(slots, 16))
     gpu.copy_blocks(pairs((0, 5)))
     original = [gpu.layer(i).clone() for i in range(2)]
     gpu.swap_out(cpu, pairs(*[(i, 7 - i) for i in range(8)]))

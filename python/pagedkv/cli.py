@@ -56,6 +56,9 @@ def _rate(text: str) -> float:
     return value
 
 
+# Token slots one block manager addresses: slot ids are int32.
+_MAX_SLOTS = 2**31 - 1
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -66,7 +69,10 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 12GB or 12GiB, got {text!r}")
-    value = int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"size {text!r} is too large")
+    value = int(number)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
     return value
@@ -287,6 +293,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
     kv_memory = args.kv_memory
     if kv_memory is None:
         kv_memory = default_kv_memory(model, gpu, args.gpus)
+    slots = kv_memory // model.kv_bytes_per_token
+    if slots > _MAX_SLOTS and "paged" in (args.systems or SYSTEMS):
+        raise _UsageError(
+            f"KV memory of {kv_memory} bytes holds {slots} token slots of {model.name}; the "
+            f"block manager addresses at most {_MAX_SLOTS} (int32 slots): lower --kv-memory"
+        )
     config = SimulationConfig(
         model=model,
         gpu=gpu,

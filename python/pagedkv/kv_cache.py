@@ -22,14 +22,30 @@ import torch
 
 
 class HasSlotMapping(Protocol):
-    """Anything with a `slot_mapping` (a `pagedkv.Plan`)."""
+    """Anything with a `slot_mapping` and the `block_size` it is for (a `pagedkv.Plan`)."""
 
     @property
     def slot_mapping(self) -> npt.NDArray[Any]:
         """`[tokens]` slot of each new token: `block * block_size + offset`."""
 
+    @property
+    def block_size(self) -> int:
+        """Token slots per block of the manager that made the plan."""
+
 
 Slots = HasSlotMapping | npt.NDArray[Any] | torch.Tensor
+
+
+def check_block_size(plan: object, block_size: int, consumer: str) -> None:
+    """Raise `ValueError` unless `plan` carries `block_size`: its slots and pages mean other
+    positions under another block size, so using it would be silently wrong."""
+    planned = getattr(plan, "block_size", None)
+    if not isinstance(planned, int):
+        raise ValueError(f"the plan has no int block_size; {consumer} has block_size={block_size}")
+    if planned != block_size:
+        raise ValueError(
+            f"the plan has block_size={planned} but {consumer} has block_size={block_size}"
+        )
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -137,7 +153,16 @@ class KVCache:
             if slots.device != self.device:
                 raise ValueError(f"slots are on {slots.device}, the cache on {self.device}")
             return slots.to(torch.int64)
-        arr = np.asarray(slots if isinstance(slots, np.ndarray) else slots.slot_mapping)
+        if isinstance(slots, np.ndarray):
+            arr = slots
+        elif hasattr(slots, "slot_mapping"):
+            check_block_size(slots, self.block_size, "this KVCache")
+            arr = np.asarray(slots.slot_mapping)
+        else:
+            raise ValueError(
+                "slots must be a Plan, a numpy integer array or a tensor from slot_tensor, "
+                f"got {type(slots).__name__}"
+            )
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(
                 f"slot_mapping must be a 1-D integer array, got {arr.dtype} {arr.shape}"

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.kv_cache import check_block_size
+
 IntArray = npt.NDArray[np.int32]
 
 
@@ -35,6 +37,10 @@ class PlanLike(Protocol):
     @property
     def qo_indptr(self) -> npt.NDArray[Any]:
         """`[B + 1]` offsets of each sequence's query tokens in `q`."""
+
+    @property
+    def block_size(self) -> int:
+        """Token slots per block of the manager that made the plan."""
 
 
 def _int32_vector(name: str, array: npt.NDArray[Any]) -> IntArray:
@@ -92,6 +98,7 @@ class StepPlan:
     @classmethod
     def from_plan(cls, plan: PlanLike, block_size: int) -> StepPlan:
         """Validate `plan` against `block_size`; raise `ValueError` naming the first problem."""
+        check_block_size(plan, block_size, "this PagedAttention")
         kv_indptr = _int32_vector("kv_indptr", plan.kv_indptr)
         kv_indices = _int32_vector("kv_indices", plan.kv_indices)
         last = _int32_vector("kv_last_page_len", plan.kv_last_page_len)

@@ -1,5 +1,6 @@
 //! A lock-free LIFO stack of block ids (a Treiber stack over an index array).
 
+use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::sync::{AtomicU32, AtomicU64, Backoff, Ordering};
 use crate::BlockId;
 
@@ -26,15 +27,16 @@ fn tag(head: u64) -> u64 {
 
 impl FreeList {
     /// A stack holding every block, `0` on top, then `1`, `2`, ...
-    pub(crate) fn full(num_blocks: u32) -> FreeList {
-        let next = (0..num_blocks)
-            .map(|b| AtomicU32::new(if b + 1 < num_blocks { b + 1 } else { NIL }))
-            .collect();
+    pub(crate) fn full(num_blocks: u32) -> Result<FreeList, TooLarge> {
+        let next = try_boxed(num_blocks as usize, |b| {
+            let after = b as u32 + 1;
+            AtomicU32::new(if after < num_blocks { after } else { NIL })
+        })?;
         let first = if num_blocks == 0 { NIL } else { 0 };
-        FreeList {
+        Ok(FreeList {
             head: AtomicU64::new(pack(0, first)),
             next,
-        }
+        })
     }
 
     /// Pushes a block that nobody else references.
@@ -43,7 +45,9 @@ impl FreeList {
         let mut head = self.head.load(Ordering::Relaxed);
         loop {
             self.next[block as usize].store(top(head), Ordering::Relaxed);
-            // Release: the pusher's writes to the block (and `next`) happen before its pop.
+            // Release: our `next` store, and the host metadata the pusher wrote about the block
+            // (its state word), happen before the pop that takes it. Not the GPU's KV writes:
+            // streams and events order those.
             match self.head.compare_exchange_weak(
                 head,
                 pack(tag(head) + 1, block),
@@ -104,7 +108,7 @@ mod tests {
 
     #[test]
     fn lifo_order_from_zero() {
-        let list = FreeList::full(3);
+        let list = FreeList::full(3).unwrap();
         assert_eq!(list.snapshot(), vec![0, 1, 2]);
         assert_eq!(list.pop(), Some(0));
         assert_eq!(list.pop(), Some(1));
@@ -118,14 +122,14 @@ mod tests {
 
     #[test]
     fn empty_list() {
-        let list = FreeList::full(0);
+        let list = FreeList::full(0).unwrap();
         assert_eq!(list.pop(), None);
         assert!(list.snapshot().is_empty());
     }
 
     #[test]
     fn threads_never_share_a_block() {
-        let list = std::sync::Arc::new(FreeList::full(64));
+        let list = std::sync::Arc::new(FreeList::full(64).unwrap());
         let handles: Vec<_> = (0..4)
             .map(|_| {
                 let list = list.clone();
@@ -157,7 +161,7 @@ mod loom_tests {
     #[test]
     fn concurrent_pops_get_distinct_blocks() {
         loom::model(|| {
-            let list = Arc::new(FreeList::full(2));
+            let list = Arc::new(FreeList::full(2).unwrap());
             let other = list.clone();
             let t = loom::thread::spawn(move || other.pop());
             let mine = list.pop();
@@ -171,7 +175,7 @@ mod loom_tests {
     #[test]
     fn push_pop_race_loses_nothing() {
         loom::model(|| {
-            let list = Arc::new(FreeList::full(2));
+            let list = Arc::new(FreeList::full(2).unwrap());
             let a = list.pop().unwrap();
             let other = list.clone();
             let t = loom::thread::spawn(move || {

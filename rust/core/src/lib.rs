@@ -34,6 +34,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod block;
+mod bookkeeping;
 mod cpu_tier;
 mod error;
 mod events;
@@ -51,7 +52,8 @@ pub use error::{Error, PoolKind};
 pub use events::{Event, EventKind};
 pub use manager::{BlockManager, Config};
 pub use plan::Plan;
-pub use pool::BlockPool;
+#[doc(hidden)]
+pub use pool::bench as pool_bench;
 pub use prefix::BlockHash;
 pub use stats::Stats;
 

@@ -1,6 +1,7 @@
 //! The eviction order of CACHED blocks: an intrusive doubly linked list over block ids, oldest
 //! release at the head. Lives under the pool's lock; every operation is O(1).
 
+use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::BlockId;
 
 const NIL: u32 = u32::MAX;
@@ -16,14 +17,14 @@ pub(crate) struct Lru {
 
 impl Lru {
     /// An empty list over blocks `0..num_blocks`.
-    pub(crate) fn new(num_blocks: u32) -> Lru {
-        Lru {
-            prev: vec![NIL; num_blocks as usize].into(),
-            next: vec![NIL; num_blocks as usize].into(),
+    pub(crate) fn new(num_blocks: u32) -> Result<Lru, TooLarge> {
+        Ok(Lru {
+            prev: try_boxed(num_blocks as usize, |_| NIL)?,
+            next: try_boxed(num_blocks as usize, |_| NIL)?,
             head: NIL,
             tail: NIL,
             len: 0,
-        }
+        })
     }
 
     /// Appends the most recently released block.
@@ -91,7 +92,7 @@ mod tests {
 
     #[test]
     fn fifo_with_removal() {
-        let mut lru = Lru::new(5);
+        let mut lru = Lru::new(5).unwrap();
         for b in [3, 1, 4, 0] {
             lru.push_back(b);
         }

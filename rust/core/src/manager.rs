@@ -120,6 +120,11 @@ impl BlockManager {
     /// A manager with every block FREE.
     pub fn new(config: Config) -> Result<BlockManager, Error> {
         config.validate()?;
+        let pool = |name: &str, blocks: u32| {
+            BlockPool::new(blocks).map_err(|e| e.naming(format!("{name} = {blocks}")))
+        };
+        let gpu = pool("num_blocks", config.num_blocks)?;
+        let cpu = pool("num_cpu_blocks", config.num_cpu_blocks)?;
         let prefix = if config.enable_prefix_caching {
             let key = match config.hash_key {
                 Some(key) => key,
@@ -133,15 +138,17 @@ impl BlockManager {
                     key
                 }
             };
-            Some(PrefixCache::new(key, config.num_blocks, config.block_size))
+            let prefix = PrefixCache::new(key, config.num_blocks, config.block_size);
+            let slots = u64::from(config.num_blocks) * u64::from(config.block_size);
+            Some(prefix.map_err(|e| e.naming(format!("num_blocks * block_size = {slots}")))?)
         } else {
             None
         };
         Ok(BlockManager {
             bs: BlockSize::new(config.block_size as usize),
             watermark_blocks: (config.watermark * f64::from(config.num_blocks)) as usize,
-            gpu: BlockPool::new(config.num_blocks),
-            cpu: BlockPool::new(config.num_cpu_blocks),
+            gpu,
+            cpu,
             prefix,
             seqs: SequenceMap::new(),
             cpu_tier: CpuTier::default(),
@@ -375,7 +382,7 @@ impl BlockManager {
     /// is left empty.
     pub fn step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
         self.fill_step(seqs, tokens, plan)
-            .inspect_err(|_| plan.begin(0, 0, 0))
+            .inspect_err(|_| plan.begin(0, 0, 0, self.bs))
     }
 
     /// Writes the plan for any batch into `plan`: sequence `seqs[i]`'s last `query_lens[i]`
@@ -383,7 +390,7 @@ impl BlockManager {
     /// left empty.
     pub fn plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
         self.fill_plan(seqs, query_lens, plan)
-            .inspect_err(|_| plan.begin(0, 0, 0))
+            .inspect_err(|_| plan.begin(0, 0, 0, self.bs))
     }
 
     /// Confirms the engine's forward passes: each sequence's KV is computed up to `upto[i]`
@@ -455,14 +462,13 @@ impl BlockManager {
             needed += self.blocks_to_append(batch.get(id).expect("validated above"), 1);
         }
         self.reserve_gpu(needed)?;
-        plan.begin(seqs.len(), nnz, seqs.len());
+        plan.begin(seqs.len(), nnz, seqs.len(), self.bs);
         let mut used = 0;
         for (&id, &token) in seqs.iter().zip(tokens) {
             let s = batch.get(id).expect("validated above");
             used += self.append_reserved(s, &[token]);
             self.plan_one(s, 1, plan);
         }
-        plan.finish();
         self.gpu.unreserve(needed - used);
         self.gpu.add_stored(seqs.len());
         Counters::add(&self.counters.pending_tokens, seqs.len() as u64);
@@ -493,13 +499,12 @@ impl BlockManager {
             nnz += self.bs.pages(len);
             num_query_tokens += q as usize;
         }
-        plan.begin(seqs.len(), nnz, num_query_tokens);
+        plan.begin(seqs.len(), nnz, num_query_tokens, self.bs);
         for (&id, &q) in seqs.iter().zip(query_lens) {
             let s = batch.get(id).expect("validated above");
             self.auto_commit(s);
             self.plan_one(s, q as usize, plan);
         }
-        plan.finish();
         Ok(())
     }
 
@@ -1011,7 +1016,8 @@ impl BlockManager {
         }
     }
 
-    /// The registered block with exactly this content, with the state it was verified in.
+    /// The registered block with exactly this content, with the state it was verified in;
+    /// `acquire_hit` with that state is what guards the hit (see `PrefixCache::find`).
     fn find(
         &self,
         prefix: &PrefixCache,
@@ -1019,13 +1025,7 @@ impl BlockManager {
         parent: BlockHash,
         tokens: &[Token],
     ) -> Option<(BlockId, BlockState)> {
-        let block = prefix.get(hash)?;
-        let state = self.gpu.state(block);
-        if !state.hashed() || !prefix.matches(block, hash, parent, tokens) {
-            return None;
-        }
-        // The contents read above belong to `state`'s incarnation only if it did not change.
-        (self.gpu.state(block).generation() == state.generation()).then_some((block, state))
+        prefix.find(&self.gpu, hash, parent, tokens)
     }
 
     /// Takes a block reserved by the caller, unregistering it if it was evicted.
@@ -1394,7 +1394,7 @@ mod tests {
             Err(Error::UnknownSequence(2))
         );
         assert_eq!(plan.batch_size(), 0);
-        assert!(plan.block_tables.is_empty());
+        assert!(plan.block_tables().unwrap().is_empty());
         mgr.check().unwrap();
     }
 

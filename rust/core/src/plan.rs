@@ -1,5 +1,9 @@
-//! The per-step attention plan: FlashInfer's paged-KV CSR plus slot mapping, positions and a
-//! padded block table, built in one pass into buffers reused across steps.
+//! The per-step attention plan: FlashInfer's paged-KV CSR plus slot mapping and positions, built
+//! in one pass into buffers reused across steps. The padded block table some kernels take is
+//! derived from the CSR on request, never built by default: it is `batch x longest`, which one
+//! long sequence makes huge.
+
+use std::collections::TryReserveError;
 
 use crate::block::BlockSize;
 use crate::BlockId;
@@ -9,8 +13,8 @@ use crate::BlockId;
 /// For sequence `b`: its KV pages are `kv_indices[kv_indptr[b]..kv_indptr[b+1]]`, the last page
 /// holds `kv_last_page_len[b]` tokens (`1..=block_size`), its query tokens are
 /// `qo_indptr[b]..qo_indptr[b+1]` with `positions` and KV `slot_mapping`
-/// (`block * block_size + offset`), and `block_tables[b * max_blocks..][..max_blocks]` is its
-/// block table padded with -1.
+/// (`block * block_size + offset`). `block_size` is that of the manager that wrote the plan, so
+/// a consumer can refuse a plan meant for another cache layout.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
     /// `[B + 1]` offsets into `kv_indices`.
@@ -25,13 +29,11 @@ pub struct Plan {
     pub slot_mapping: Vec<i32>,
     /// `[num_query_tokens]` position of each new token in its sequence.
     pub positions: Vec<i32>,
-    /// `[B, max_blocks]` row-major block tables padded with -1.
-    pub block_tables: Vec<i32>,
-    /// Columns of `block_tables`.
-    pub max_blocks: usize,
     /// `[n, 2]` row-major copy-on-write pairs `(src, dst)` this batch must apply to the KV
     /// cache, in order, before its forward pass writes any KV.
     pub copies: Vec<i32>,
+    /// Token slots per block of the manager that wrote the plan (0 before the first write).
+    pub block_size: u32,
 }
 
 impl Plan {
@@ -50,9 +52,40 @@ impl Plan {
         self.positions.len()
     }
 
-    /// Clears the buffers for a batch of `batch_size` sequences and reserves room for `nnz`
-    /// pages and `num_query_tokens` query tokens (more is fine, just slower).
-    pub(crate) fn begin(&mut self, batch_size: usize, nnz: usize, num_query_tokens: usize) {
+    /// Pages of the longest sequence: the width of [`Plan::block_tables`].
+    pub fn max_blocks(&self) -> usize {
+        self.kv_indptr
+            .windows(2)
+            .map(|row| (row[1] - row[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The `[B, max_blocks]` row-major block tables padded with -1, for kernels that take them
+    /// instead of the CSR. Built on each call; fails, rather than aborting, when `B x
+    /// max_blocks` entries cannot be allocated.
+    pub fn block_tables(&self) -> Result<Vec<i32>, TryReserveError> {
+        let width = self.max_blocks();
+        let mut tables = Vec::new();
+        tables.try_reserve_exact(self.batch_size().saturating_mul(width))?;
+        for row in self.kv_indptr.windows(2) {
+            let pages = &self.kv_indices[row[0] as usize..row[1] as usize];
+            tables.extend_from_slice(pages);
+            tables.extend(std::iter::repeat_n(-1, width - pages.len()));
+        }
+        Ok(tables)
+    }
+
+    /// Clears the buffers for a batch of `batch_size` sequences of blocks of `bs` tokens and
+    /// reserves room for `nnz` pages (the sum over the batch) and `num_query_tokens` query
+    /// tokens (more is fine, just slower).
+    pub(crate) fn begin(
+        &mut self,
+        batch_size: usize,
+        nnz: usize,
+        num_query_tokens: usize,
+        bs: BlockSize,
+    ) {
         for (buffer, len) in [
             (&mut self.kv_indptr, batch_size + 1),
             (&mut self.kv_indices, nnz),
@@ -60,7 +93,6 @@ impl Plan {
             (&mut self.qo_indptr, batch_size + 1),
             (&mut self.slot_mapping, num_query_tokens),
             (&mut self.positions, num_query_tokens),
-            (&mut self.block_tables, 0),
             (&mut self.copies, 0),
         ] {
             buffer.clear();
@@ -68,7 +100,7 @@ impl Plan {
         }
         self.kv_indptr.push(0);
         self.qo_indptr.push(0);
-        self.max_blocks = 0;
+        self.block_size = bs.get() as u32;
     }
 
     /// Adds the next sequence: `kv_len` tokens in `table`, the last `query_len` of them new.
@@ -79,6 +111,11 @@ impl Plan {
         query_len: usize,
         bs: BlockSize,
     ) {
+        debug_assert_eq!(
+            bs.get(),
+            self.block_size as usize,
+            "begun with another size"
+        );
         let pages = bs.pages(kv_len);
         let table = &table[..pages];
         self.kv_indices.extend(table.iter().map(|&b| b as i32));
@@ -92,7 +129,6 @@ impl Plan {
                 .push((block * bs.get() + bs.offset(p)) as i32);
         }
         self.qo_indptr.push(self.positions.len() as i32);
-        self.max_blocks = self.max_blocks.max(pages);
     }
 
     /// Adds a copy-on-write pair the batch must apply first.
@@ -104,18 +140,6 @@ impl Plan {
     pub fn num_copies(&self) -> usize {
         self.copies.len() / 2
     }
-
-    /// Builds the padded block tables from the pages, once every sequence is in.
-    pub(crate) fn finish(&mut self) {
-        let width = self.max_blocks;
-        self.block_tables.reserve(self.batch_size() * width);
-        for row in self.kv_indptr.windows(2) {
-            let pages = &self.kv_indices[row[0] as usize..row[1] as usize];
-            self.block_tables.extend_from_slice(pages);
-            self.block_tables
-                .extend(std::iter::repeat_n(-1, width - pages.len()));
-        }
-    }
 }
 
 #[cfg(test)]
@@ -125,18 +149,44 @@ mod tests {
     #[test]
     fn two_sequences_by_hand() {
         let mut plan = Plan::new();
-        plan.begin(2, 4, 5);
-        plan.push(&[7, 2, 5], 9, 2, BlockSize::new(4)); // positions 7, 8 in blocks 2 and 5
-        plan.push(&[1], 3, 3, BlockSize::new(4));
-        plan.finish();
+        let bs = BlockSize::new(4);
+        plan.begin(2, 4, 5, bs);
+        plan.push(&[7, 2, 5], 9, 2, bs); // positions 7, 8 in blocks 2 and 5
+        plan.push(&[1], 3, 3, bs);
+        assert_eq!(plan.block_size, 4);
         assert_eq!(plan.kv_indptr, vec![0, 3, 4]);
         assert_eq!(plan.kv_indices, vec![7, 2, 5, 1]);
         assert_eq!(plan.kv_last_page_len, vec![1, 3]);
         assert_eq!(plan.qo_indptr, vec![0, 2, 5]);
         assert_eq!(plan.positions, vec![7, 8, 0, 1, 2]);
         assert_eq!(plan.slot_mapping, vec![2 * 4 + 3, 5 * 4, 4, 5, 6]);
-        assert_eq!(plan.block_tables, vec![7, 2, 5, 1, -1, -1]);
+        assert_eq!(plan.max_blocks(), 3);
+        assert_eq!(plan.block_tables().unwrap(), vec![7, 2, 5, 1, -1, -1]);
         assert_eq!(plan.batch_size(), 2);
         assert_eq!(plan.num_query_tokens(), 5);
+    }
+
+    #[test]
+    fn an_empty_plan_has_empty_tables() {
+        let plan = Plan::new();
+        assert_eq!(plan.max_blocks(), 0);
+        assert!(plan.block_tables().unwrap().is_empty());
+    }
+
+    #[test]
+    fn pages_are_reserved_by_their_sum() {
+        // One long sequence and many short ones: room for the pages they have, not for
+        // batch x longest.
+        let mut plan = Plan::new();
+        let bs = BlockSize::new(1);
+        let long: Vec<BlockId> = (0..1000).collect();
+        plan.begin(101, 1100, 101, bs);
+        plan.push(&long, 1000, 1, bs);
+        for b in 0..100 {
+            plan.push(&[b], 1, 1, bs);
+        }
+        assert_eq!(plan.kv_indices.len(), 1100);
+        assert!(plan.kv_indices.capacity() < 101 * 1000);
+        assert_eq!(plan.block_tables().unwrap().len(), 101 * 1000);
     }
 }

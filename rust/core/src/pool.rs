@@ -10,25 +10,25 @@
 //!   That lock is never taken on the decode path unless the pool must evict.
 //! - `available` counts FREE + CACHED blocks not yet promised to anyone. An operation first
 //!   reserves every block it needs with one CAS, so it either gets all of them or none.
+//! - A block's registration (hash, parent, tokens in the prefix cache) is written before
+//!   `mark_hashed`'s release; every later change of the state word is a read-modify-write or
+//!   happens under the `lru` lock, so a lookup's acquire load of a hashed state sees the
+//!   registration of that incarnation. `acquire_hit` then takes the block only if the
+//!   incarnation is unchanged: that, not the lookup, is what guarantees a hit's contents.
+//! - These atomics order host metadata only. The GPU's KV writes into a block are ordered by the
+//!   engine's CUDA streams and events, never by anything here.
 
 use crate::block::BlockState;
+use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::free_list::FreeList;
 use crate::lru::Lru;
 use crate::sync::{lock, AtomicU64, AtomicUsize, Backoff, Mutex, Ordering};
 use crate::BlockId;
 
-/// A pool of `num_blocks` blocks with lock-free allocation and reference counting.
-///
-/// ```
-/// let pool = pagedkv::BlockPool::new(2);
-/// let a = pool.allocate().unwrap();
-/// let b = pool.allocate().unwrap();
-/// assert!(pool.allocate().is_none());
-/// pool.release(a);
-/// pool.release(b);
-/// assert_eq!(pool.num_free(), 2);
-/// ```
-pub struct BlockPool {
+/// A pool of `num_blocks` blocks with lock-free allocation and reference counting. Internal:
+/// its callers keep the invariant that a block is released only by a holder (a release of an
+/// unheld block would put it on the free list twice).
+pub(crate) struct BlockPool {
     states: Box<[AtomicU64]>,
     free: FreeList,
     lru: Mutex<Lru>,
@@ -68,45 +68,39 @@ pub(crate) struct PoolAudit {
 }
 
 impl BlockPool {
-    /// A pool whose blocks are all FREE.
-    pub fn new(num_blocks: u32) -> BlockPool {
-        BlockPool {
-            states: (0..num_blocks)
-                .map(|_| AtomicU64::new(BlockState::FREE.0))
-                .collect(),
-            free: FreeList::full(num_blocks),
-            lru: Mutex::new(Lru::new(num_blocks)),
+    /// A pool whose blocks are all FREE, or the allocation that failed.
+    pub(crate) fn new(num_blocks: u32) -> Result<BlockPool, TooLarge> {
+        let n = num_blocks as usize;
+        Ok(BlockPool {
+            states: try_boxed(n, |_| AtomicU64::new(BlockState::FREE.0))?,
+            free: FreeList::full(num_blocks)?,
+            lru: Mutex::new(Lru::new(num_blocks)?),
             num_cached: AtomicUsize::new(0),
-            available: AtomicUsize::new(num_blocks as usize),
+            available: AtomicUsize::new(n),
             stored_tokens: AtomicUsize::new(0),
-        }
+        })
     }
 
     /// Takes one block (FREE first, else evicts the least recently released CACHED one), or
     /// `None` when every block is held.
-    pub fn allocate(&self) -> Option<BlockId> {
+    pub(crate) fn allocate(&self) -> Option<BlockId> {
         self.reserve(1).ok()?;
         Some(self.take_reserved().0)
     }
 
-    /// Drops one reference to `block`; at zero it becomes CACHED if hashed, else FREE.
-    pub fn release(&self, block: BlockId) {
-        self.release_block(block, 0);
-    }
-
     /// Number of blocks nobody holds and that are not in the prefix cache.
-    pub fn num_free(&self) -> usize {
+    pub(crate) fn num_free(&self) -> usize {
         let unheld = self.available.load(Ordering::Relaxed);
         unheld.saturating_sub(self.num_cached())
     }
 
     /// Number of unreferenced blocks kept for prefix reuse.
-    pub fn num_cached(&self) -> usize {
+    pub(crate) fn num_cached(&self) -> usize {
         self.num_cached.load(Ordering::Relaxed)
     }
 
     /// Number of blocks in the pool.
-    pub fn num_blocks(&self) -> usize {
+    pub(crate) fn num_blocks(&self) -> usize {
         self.states.len()
     }
 
@@ -125,8 +119,10 @@ impl BlockPool {
         if n == 0 {
             return Ok(());
         }
+        // Acquire: pairs with the releases' Release increments, so the blocks counted in are
+        // already on the free list or in the LRU when `take_reserved` looks for them.
         self.available
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| a.checked_sub(n))
+            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |a| a.checked_sub(n))
             .map(|_| ())
     }
 
@@ -160,14 +156,15 @@ impl BlockPool {
                 return (block, true);
             }
             drop(lru);
-            // Our reserved block is being pushed by a releaser right now.
+            // Another reserver popped the block our count came from and left us one that is
+            // being pushed right now (counts are fungible, blocks are not).
             backoff.snooze();
         }
     }
 
     /// The current state word of `block`.
     pub(crate) fn state(&self, block: BlockId) -> BlockState {
-        // Acquire: a hashed state makes the block's registered contents visible.
+        // Acquire: a hashed state makes its registration (hash, parent, tokens) visible.
         BlockState(self.states[block as usize].load(Ordering::Acquire))
     }
 
@@ -190,7 +187,8 @@ impl BlockPool {
                 if !same || current.refcount() == 0 {
                     return None;
                 }
-                // Acquire: the holder's writes to the block are visible to the new holder.
+                // Acquire: the holders' host-side writes about the block (its registration)
+                // happen before ours.
                 match state.compare_exchange_weak(
                     current.0,
                     current.with_refcount(current.refcount() + 1).0,
@@ -209,7 +207,9 @@ impl BlockPool {
         }
         lru.remove(block);
         self.num_cached.fetch_sub(1, Ordering::Relaxed);
-        state.store(current.with_refcount(1).0, Ordering::Relaxed);
+        // A read-modify-write, not a store: it continues the release sequence headed by
+        // `mark_hashed`, on which lookups that read the revived state rely. Refcount 0 -> 1.
+        state.fetch_add(1, Ordering::Relaxed);
         self.stored_tokens
             .fetch_add(fill as usize, Ordering::Relaxed);
         Some(Hit::Revived)
@@ -217,7 +217,8 @@ impl BlockPool {
 
     /// Marks a held block as registered in the prefix cache.
     pub(crate) fn mark_hashed(&self, block: BlockId) {
-        // Release: the registered contents written before are visible to whoever sees the flag.
+        // Release: the registration written before (hash, parent, tokens) is visible to lookups
+        // that see the flag. Host metadata only: the KV itself is ordered by the GPU streams.
         let old = self.states[block as usize]
             .fetch_or(BlockState(0).with_hashed(true).0, Ordering::Release);
         debug_assert!(BlockState(old).refcount() >= 1);
@@ -237,7 +238,8 @@ impl BlockPool {
         loop {
             debug_assert!(current.refcount() >= 1, "release of unheld block {block}");
             if current.refcount() > 1 {
-                // Release: this holder's writes happen before the last holder lets go.
+                // Release: this holder's host-side accesses to the block happen before the last
+                // holder's release, so whoever reuses the block comes after all of them.
                 match state.compare_exchange_weak(
                     current.0,
                     current.with_refcount(current.refcount() - 1).0,
@@ -266,6 +268,7 @@ impl BlockPool {
                 self.num_cached.fetch_add(1, Ordering::Relaxed);
                 drop(lru);
                 self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
+                // Release, after the LRU push: pairs with `reserve`'s Acquire.
                 self.available.fetch_add(1, Ordering::Release);
                 return Released::Cached;
             }
@@ -274,7 +277,7 @@ impl BlockPool {
             state.store(current.with_refcount(0).0, Ordering::Release);
             self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
             self.free.push(block);
-            // After the push: a reservation counted here always finds the block.
+            // Release, after the push: a reserver whose count includes this block sees it pushed.
             self.available.fetch_add(1, Ordering::Release);
             return Released::Freed;
         }
@@ -312,6 +315,56 @@ impl BlockPool {
     }
 }
 
+/// The pool behind handles that release their block when dropped, so no caller can release a
+/// block it does not hold. For `benches/pool.rs`; not part of the API.
+pub mod bench {
+    use super::BlockPool;
+    use crate::BlockId;
+
+    /// A pool of FREE blocks.
+    pub struct Pool(BlockPool);
+
+    /// One held block; dropping it releases it.
+    pub struct Held<'p> {
+        pool: &'p BlockPool,
+        block: BlockId,
+    }
+
+    impl Pool {
+        /// A pool of `num_blocks` FREE blocks; panics if its bookkeeping cannot be allocated.
+        pub fn new(num_blocks: u32) -> Pool {
+            Pool(BlockPool::new(num_blocks).expect("a pool that fits in memory"))
+        }
+
+        /// Takes one block, or `None` when every block is held.
+        pub fn allocate(&self) -> Option<Held<'_>> {
+            let block = self.0.allocate()?;
+            Some(Held {
+                pool: &self.0,
+                block,
+            })
+        }
+
+        /// Blocks nobody holds.
+        pub fn num_free(&self) -> usize {
+            self.0.num_free()
+        }
+    }
+
+    impl Held<'_> {
+        /// The block's id.
+        pub fn id(&self) -> BlockId {
+            self.block
+        }
+    }
+
+    impl Drop for Held<'_> {
+        fn drop(&mut self) {
+            self.pool.release_block(self.block, 0);
+        }
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -325,11 +378,11 @@ mod tests {
 
     #[test]
     fn free_blocks_go_before_cached_ones_and_eviction_is_lru() {
-        let pool = BlockPool::new(3);
+        let pool = BlockPool::new(3).unwrap();
         let a = cached_block(&pool);
         let b = cached_block(&pool);
         assert_eq!((a, b), (0, 1), "free blocks go before cached ones");
-        let pool = BlockPool::new(3);
+        let pool = BlockPool::new(3).unwrap();
         let held: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
         for &block in &held {
             pool.mark_hashed(block);
@@ -345,7 +398,7 @@ mod tests {
 
     #[test]
     fn reservations_are_all_or_nothing() {
-        let pool = BlockPool::new(4);
+        let pool = BlockPool::new(4).unwrap();
         assert_eq!(pool.reserve(5), Err(4));
         pool.reserve(3).unwrap();
         assert_eq!(pool.reserve(2), Err(1));
@@ -355,7 +408,7 @@ mod tests {
 
     #[test]
     fn hits_share_or_revive_the_same_incarnation_only() {
-        let pool = BlockPool::new(2);
+        let pool = BlockPool::new(2).unwrap();
         let block = cached_block(&pool);
         let seen = pool.state(block);
         pool.reserve(1).unwrap();
@@ -380,8 +433,19 @@ mod tests {
     }
 
     #[test]
+    fn bench_handles_release_exactly_once() {
+        let pool = bench::Pool::new(2);
+        let a = pool.allocate().unwrap();
+        let b = pool.allocate().unwrap();
+        assert_ne!(a.id(), b.id());
+        assert!(pool.allocate().is_none());
+        drop((a, b));
+        assert_eq!(pool.num_free(), 2);
+    }
+
+    #[test]
     fn releases_uncount_stored_tokens() {
-        let pool = BlockPool::new(2);
+        let pool = BlockPool::new(2).unwrap();
         let block = pool.allocate().unwrap();
         pool.add_stored(5);
         pool.share_held(block);
@@ -399,7 +463,7 @@ mod loom_tests {
 
     /// A pool whose blocks are all CACHED, LRU order 0, 1, ...
     fn all_cached(n: u32) -> BlockPool {
-        let pool = BlockPool::new(n);
+        let pool = BlockPool::new(n).unwrap();
         let blocks: Vec<_> = (0..n).map(|_| pool.allocate().unwrap()).collect();
         for &b in &blocks {
             pool.mark_hashed(b);
@@ -453,7 +517,7 @@ mod loom_tests {
     #[test]
     fn share_races_last_release() {
         loom::model(|| {
-            let pool = Arc::new(BlockPool::new(1));
+            let pool = Arc::new(BlockPool::new(1).unwrap());
             let block = pool.allocate().unwrap();
             pool.mark_hashed(block);
             let seen = pool.state(block);
@@ -481,11 +545,11 @@ mod loom_tests {
     #[test]
     fn allocate_races_release() {
         loom::model(|| {
-            let pool = Arc::new(BlockPool::new(1));
+            let pool = Arc::new(BlockPool::new(1).unwrap());
             let block = pool.allocate().unwrap();
             let releaser = {
                 let pool = pool.clone();
-                loom::thread::spawn(move || pool.release(block))
+                loom::thread::spawn(move || pool.release_block(block, 0))
             };
             let got = pool.allocate();
             releaser.join().unwrap();
@@ -504,7 +568,7 @@ mod loom_tests {
     #[test]
     fn reset_races_last_release() {
         loom::model(|| {
-            let pool = Arc::new(BlockPool::new(1));
+            let pool = Arc::new(BlockPool::new(1).unwrap());
             let block = pool.allocate().unwrap();
             pool.mark_hashed(block);
             let owner = {

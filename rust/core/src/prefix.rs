@@ -11,6 +11,9 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::block::BlockState;
+use crate::bookkeeping::{try_boxed, TooLarge};
+use crate::pool::BlockPool;
 use crate::sync::{lock, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, Token};
 
@@ -71,18 +74,21 @@ fn join(lo: u64, hi: u64) -> BlockHash {
 }
 
 impl PrefixCache {
-    /// An empty cache for `num_blocks` blocks of `block_size` tokens.
-    pub(crate) fn new(key: [u8; 32], num_blocks: u32, block_size: u32) -> PrefixCache {
+    /// An empty cache for `num_blocks` blocks of `block_size` tokens, or the allocation that
+    /// failed.
+    pub(crate) fn new(
+        key: [u8; 32],
+        num_blocks: u32,
+        block_size: u32,
+    ) -> Result<PrefixCache, TooLarge> {
         let n = num_blocks as usize;
-        PrefixCache {
+        Ok(PrefixCache {
             key,
             block_size: block_size as usize,
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            meta: (0..4 * n).map(|_| AtomicU64::new(0)).collect(),
-            tokens: (0..n * block_size as usize)
-                .map(|_| AtomicU32::new(0))
-                .collect(),
-        }
+            meta: try_boxed(4 * n, |_| AtomicU64::new(0))?,
+            tokens: try_boxed(n * block_size as usize, |_| AtomicU32::new(0))?,
+        })
     }
 
     /// The chaining value before a sequence's first block: binds the key and the tenant salt.
@@ -134,6 +140,24 @@ impl PrefixCache {
     /// The block registered under `hash`, if any (unverified: see [`PrefixCache::matches`]).
     pub(crate) fn get(&self, hash: BlockHash) -> Option<BlockId> {
         lock(self.shard(hash)).get(&hash).copied()
+    }
+
+    /// The block of `pool` registered with exactly this content, with the state it was verified
+    /// in. Read-only and unguarded: the block may be evicted and reused the moment after, so a
+    /// caller must take it with `pool.acquire_hit(block, state, ..)`, which succeeds only while
+    /// the block is still that incarnation. (The state's acquire load makes that incarnation's
+    /// registration visible; contents read from a later one imply a generation `acquire_hit`
+    /// rejects. Model-checked below.)
+    pub(crate) fn find(
+        &self,
+        pool: &BlockPool,
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: &[Token],
+    ) -> Option<(BlockId, BlockState)> {
+        let block = self.get(hash)?;
+        let state = pool.state(block);
+        (state.hashed() && self.matches(block, hash, parent, tokens)).then_some((block, state))
     }
 
     /// Whether `block`'s registered contents are exactly `(hash, parent, tokens)`.
@@ -227,8 +251,8 @@ mod tests {
 
     #[test]
     fn hashes_chain_and_depend_on_key_and_salt() {
-        let a = PrefixCache::new([1; 32], 4, 4);
-        let b = PrefixCache::new([2; 32], 4, 4);
+        let a = PrefixCache::new([1; 32], 4, 4).unwrap();
+        let b = PrefixCache::new([2; 32], 4, 4).unwrap();
         let root = a.root(None);
         assert_ne!(root, a.root(Some(b"tenant")));
         assert_ne!(a.root(Some(b"")), root);
@@ -241,7 +265,7 @@ mod tests {
 
     #[test]
     fn long_blocks_hash_all_tokens() {
-        let c = PrefixCache::new([0; 32], 1, 200);
+        let c = PrefixCache::new([0; 32], 1, 200).unwrap();
         let tokens: Vec<u32> = (0..200).collect();
         let mut other = tokens.clone();
         other[199] = 7;
@@ -251,7 +275,7 @@ mod tests {
 
     #[test]
     fn register_verify_unregister() {
-        let c = PrefixCache::new([0; 32], 2, 2);
+        let c = PrefixCache::new([0; 32], 2, 2).unwrap();
         let h = short(&c.hash_block(&c.root(None), &[1, 2]));
         c.register(1, h, 5, &[1, 2], || {});
         c.register(0, h, 5, &[1, 2], || panic!("already mapped"));
@@ -265,5 +289,89 @@ mod tests {
         c.unregister(1, h, || removed = true);
         assert!(removed);
         assert_eq!(c.get(h), None);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::pool::Hit;
+    use loom::sync::Arc;
+
+    /// Two hashes in different shards, so only the block's state word orders the threads.
+    const OLD: BlockHash = 1 << 64;
+    const NEW: BlockHash = 2 << 64;
+    const OLD_TOKENS: [Token; 2] = [1, 1];
+    const NEW_TOKENS: [Token; 2] = [2, 2];
+
+    /// A one-block pool whose block is CACHED, registered as `OLD`.
+    fn one_cached_block() -> (BlockPool, PrefixCache) {
+        let pool = BlockPool::new(1).unwrap();
+        let prefix = PrefixCache::new([0; 32], 1, 2).unwrap();
+        let block = pool.allocate().unwrap();
+        prefix.register(block, OLD, 0, &OLD_TOKENS, || pool.mark_hashed(block));
+        pool.release_block(block, 0);
+        (pool, prefix)
+    }
+
+    /// `allocate`'s path for one block: lookup, reserve if the hit is CACHED, acquire.
+    fn lookup_and_acquire(
+        pool: &BlockPool,
+        prefix: &PrefixCache,
+        hash: BlockHash,
+        tokens: &[Token],
+    ) -> Option<(BlockId, Hit)> {
+        let (block, seen) = prefix.find(pool, hash, 0, tokens)?;
+        let needed = usize::from(seen.refcount() == 0);
+        pool.reserve(needed).ok()?;
+        match pool.acquire_hit(block, seen, 0) {
+            Some(hit) => Some((block, hit)),
+            None => {
+                pool.unreserve(needed);
+                None
+            }
+        }
+    }
+
+    /// A lookup of `OLD` races a thread that evicts the block, registers `NEW` contents in it,
+    /// lets it go (CACHED) and revives it by a `NEW` hit. Whatever the interleaving, a hit on
+    /// `OLD` holds `OLD`'s contents while it holds the block.
+    #[test]
+    fn lookup_races_evict_reregister_and_revive() {
+        // Reaching a stale read takes three preemptions; the suite's default bound is two.
+        let mut model = loom::model::Builder::new();
+        model.preemption_bound = Some(4);
+        model.check(|| {
+            let shared = Arc::new(one_cached_block());
+            let other = shared.clone();
+            let reuser = loom::thread::spawn(move || {
+                let (pool, prefix) = &*other;
+                if pool.reserve(1).is_err() {
+                    return None; // the lookup revived the block first
+                }
+                let (block, evicted) = pool.take_reserved();
+                assert!(evicted);
+                prefix.unregister(block, prefix.hash_of(block), || {});
+                prefix.register(block, NEW, 0, &NEW_TOKENS, || pool.mark_hashed(block));
+                pool.release_block(block, 0);
+                lookup_and_acquire(pool, prefix, NEW, &NEW_TOKENS)
+            });
+            let (pool, prefix) = &*shared;
+            let old_hit = lookup_and_acquire(pool, prefix, OLD, &OLD_TOKENS);
+            if let Some((block, _)) = old_hit {
+                assert!(
+                    prefix.matches(block, OLD, 0, &OLD_TOKENS),
+                    "a hit on OLD holds other contents"
+                );
+            }
+            let new_hit = reuser.join().unwrap();
+            if let Some((block, _)) = old_hit {
+                assert!(prefix.matches(block, OLD, 0, &OLD_TOKENS));
+                assert!(new_hit.is_none(), "the block was never evicted");
+            }
+            let holders = usize::from(old_hit.is_some()) + usize::from(new_hit.is_some());
+            assert_eq!(pool.state(0).refcount() as usize, holders);
+            assert_eq!(pool.available() + holders, 1);
+        });
     }
 }

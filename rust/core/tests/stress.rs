@@ -436,11 +436,7 @@ fn worker(mgr: &BlockManager, thread_id: u64, ops: usize, tally: &Tally) -> Vec<
 #[test]
 fn four_threads_share_one_manager() {
     const THREADS: u64 = 4;
-    let ops = if cfg!(debug_assertions) {
-        20_000
-    } else {
-        400_000
-    };
+    let ops = if cfg!(optimized) { 400_000 } else { 20_000 };
     let mut cfg = Config::new(96, 4);
     cfg.num_cpu_blocks = 48;
     cfg.watermark = 0.0;
@@ -911,7 +907,7 @@ fn prefix_revival_races_eviction() {
     const NUM_BLOCKS: usize = 40;
     const SPARE_FREE: usize = 10;
     const ATTEMPTS: usize = 24;
-    let rounds = if cfg!(debug_assertions) { 300 } else { 3_000 };
+    let rounds = if cfg!(optimized) { 3_000 } else { 300 };
     let mut cfg = Config::new(NUM_BLOCKS as u32, BS as u32);
     cfg.watermark = 0.0;
     let mgr = &BlockManager::new(cfg).unwrap();

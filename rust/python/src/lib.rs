@@ -8,9 +8,10 @@ use numpy::{
     PyUntypedArrayMethods,
 };
 use pyo3::create_exception;
-use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyException, PyKeyError, PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyByteArray, PyBytes, PyInt, PyMemoryView, PySequence, PyString};
 
 use pagedkv as core;
 
@@ -38,12 +39,15 @@ fn to_py(err: core::Error) -> PyErr {
 /// The integer types ids convert to.
 trait Id: Copy {
     const MAX: u64;
+    /// The accepted range, as error messages write it.
+    const RANGE: &'static str;
     /// `value` is known to be at most `MAX`.
     fn narrow(value: u64) -> Self;
 }
 
 impl Id for u32 {
     const MAX: u64 = u32::MAX as u64;
+    const RANGE: &'static str = "[0, 2**32)";
     fn narrow(value: u64) -> Self {
         value as u32
     }
@@ -51,8 +55,54 @@ impl Id for u32 {
 
 impl Id for u64 {
     const MAX: u64 = u64::MAX;
+    const RANGE: &'static str = "[0, 2**64)";
     fn narrow(value: u64) -> Self {
         value
+    }
+}
+
+/// `operator.index`, looked up once.
+static OPERATOR_INDEX: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// A ValueError saying `message`, caused by `err`, the exception a conversion raised. A
+/// BaseException that is not an Exception (KeyboardInterrupt, SystemExit) propagates unchanged.
+fn invalid_because(py: Python<'_>, err: PyErr, message: String) -> PyErr {
+    if !err.is_instance_of::<PyException>(py) {
+        return err;
+    }
+    let wrapped = PyValueError::new_err(message);
+    wrapped.set_cause(py, Some(err));
+    wrapped
+}
+
+/// The name of `obj`'s type, for error messages.
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |name| name.to_string())
+}
+
+/// One integer in `[0, T::MAX]`: a Python int or any object with `__index__`. Errors name
+/// `what` and the bad value.
+fn integer<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    let py = obj.py();
+    let int = match obj.downcast::<PyInt>() {
+        Ok(int) => int.clone(),
+        Err(_) => OPERATOR_INDEX
+            .import(py, "operator", "index")?
+            .call1((obj,))
+            .and_then(|value| Ok(value.downcast_into::<PyInt>()?))
+            .map_err(|err| {
+                let message = format!("{what} must be an int, got {}", type_name(obj));
+                invalid_because(py, err, message)
+            })?,
+    };
+    match int.extract::<u64>() {
+        Ok(value) if value <= T::MAX => Ok(T::narrow(value)),
+        _ => Err(PyValueError::new_err(format!(
+            "{what} must be in {}, got {int}",
+            T::RANGE
+        ))),
     }
 }
 
@@ -60,7 +110,7 @@ impl Id for u64 {
 /// numpy arrays of any integer dtype are read in place, without a Python object per element.
 fn integers<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<T>> {
     let out_of_range =
-        |v: i128| PyValueError::new_err(format!("{what} must be in [0, {}], got {v}", T::MAX));
+        |v: i128| PyValueError::new_err(format!("{what} must be in {}, got {v}", T::RANGE));
     let in_range = |v: i128| (0..=i128::from(T::MAX)).contains(&v);
     if let Ok(array) = obj.downcast::<PyUntypedArray>() {
         if array.ndim() != 1 {
@@ -87,20 +137,29 @@ fn integers<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<T>> {
             array.dtype()
         )));
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+    // Text and raw bytes iterate as characters or byte values, never as token ids.
+    if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+        || obj.is_instance_of::<PyMemoryView>()
+    {
         return Err(PyValueError::new_err(format!(
-            "{what} must be a sequence of ints, not a string"
+            "{what} must be a sequence of ints, not {}",
+            type_name(obj)
         )));
     }
-    let values: Vec<i128> = obj.extract().map_err(|_| {
+    let not_a_sequence = || {
         PyValueError::new_err(format!(
-            "{what} must be a 1-D integer array or a sequence of ints"
+            "{what} must be a 1-D integer array or a sequence of ints, got {}",
+            type_name(obj)
         ))
-    })?;
-    if let Some(&bad) = values.iter().find(|&&v| !in_range(v)) {
-        return Err(out_of_range(bad));
+    };
+    let sequence = obj.downcast::<PySequence>().map_err(|_| not_a_sequence())?;
+    let mut values = Vec::with_capacity(sequence.len().unwrap_or(0));
+    for item in sequence.try_iter()? {
+        values.push(integer(&item?, what)?);
     }
-    Ok(values.into_iter().map(|v| T::narrow(v as u64)).collect())
+    Ok(values)
 }
 
 fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -112,12 +171,20 @@ fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
 }
 
 fn seq_id(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
-    let value: i128 = obj
-        .extract()
-        .map_err(|_| PyValueError::new_err("a sequence id must be an int"))?;
-    u64::try_from(value).map_err(|_| {
-        PyValueError::new_err(format!("sequence ids must be in [0, 2**64), got {value}"))
-    })
+    integer(obj, "a sequence id")
+}
+
+/// A count argument of the constructor: the object as given (converted in the body, where the
+/// argument's name is known) or its default.
+enum Count<'py> {
+    Given(Bound<'py, PyAny>),
+    Default(u32),
+}
+
+impl<'py> FromPyObject<'py> for Count<'py> {
+    fn extract_bound(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        Ok(Count::Given(obj.clone()))
+    }
 }
 
 fn salt_bytes(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
@@ -160,11 +227,7 @@ impl BlockManager {
 
     /// Wraps a filled plan for Python.
     fn hand_out(&self, plan: core::Plan) -> Plan {
-        Plan::new(
-            plan,
-            self.inner.config().block_size,
-            self.spare_plans.clone(),
-        )
+        Plan::new(plan, self.spare_plans.clone())
     }
 }
 
@@ -172,24 +235,26 @@ impl BlockManager {
 impl BlockManager {
     /// A manager with every block free; see `pagedkv.BlockManager`.
     #[new]
-    #[pyo3(signature = (num_blocks, block_size = 16, *, num_cpu_blocks = 0,
-        enable_prefix_caching = true, watermark = 0.01, hash_key = None, enable_events = false,
-        auto_commit = true))]
+    #[pyo3(signature = (num_blocks, block_size = Count::Default(16), *,
+        num_cpu_blocks = Count::Default(0), enable_prefix_caching = true, watermark = 0.01,
+        hash_key = None, enable_events = false, auto_commit = true),
+        text_signature = "(num_blocks, block_size=16, *, num_cpu_blocks=0, \
+        enable_prefix_caching=True, watermark=0.01, hash_key=None, enable_events=False, \
+        auto_commit=True)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: i64,
-        block_size: i64,
-        num_cpu_blocks: i64,
+        num_blocks: Count<'_>,
+        block_size: Count<'_>,
+        num_cpu_blocks: Count<'_>,
         enable_prefix_caching: bool,
         watermark: f64,
         hash_key: Option<&[u8]>,
         enable_events: bool,
         auto_commit: bool,
     ) -> PyResult<Self> {
-        let count = |name: &str, v: i64| {
-            u32::try_from(v).map_err(|_| {
-                PyValueError::new_err(format!("{name} must be in [0, 2**32), got {v}"))
-            })
+        let count = |name: &str, v: Count<'_>| match v {
+            Count::Given(v) => integer::<u32>(&v, name),
+            Count::Default(v) => Ok(v),
         };
         let hash_key = hash_key
             .map(|k| {
@@ -565,25 +630,25 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(plan: core::Plan, block_size: u32, pool: PlanPool) -> Plan {
+    fn new(plan: core::Plan, pool: PlanPool) -> Plan {
         Plan {
             batch_size: plan.batch_size(),
             num_query_tokens: plan.num_query_tokens(),
-            block_size,
+            block_size: plan.block_size,
             raw: Mutex::new(plan),
             pool,
         }
     }
 
-    /// A numpy view of field `index` of the Rust plan.
+    /// The Rust plan.
+    fn raw(&self) -> std::sync::MutexGuard<'_, core::Plan> {
+        self.raw.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A numpy view of field `index` of the Rust plan: 1-D, or `[n, 2]` for the copies.
     fn array(this: &Bound<'_, Self>, index: usize) -> Py<PyAny> {
-        let plan = this.get();
-        let mut raw = plan.raw.lock().unwrap_or_else(|p| p.into_inner());
-        let (rows, cols) = if index == 7 {
-            (raw.num_copies(), 2)
-        } else {
-            (plan.batch_size, raw.max_blocks)
-        };
+        let mut raw = this.get().raw();
+        let pairs = raw.num_copies();
         let container = this.clone().into_any();
         let field = match index {
             0 => &mut raw.kv_indptr,
@@ -592,17 +657,15 @@ impl Plan {
             3 => &mut raw.qo_indptr,
             4 => &mut raw.slot_mapping,
             5 => &mut raw.positions,
-            6 => &mut raw.block_tables,
             _ => &mut raw.copies,
         };
-
         // SAFETY: the array's base is this plan, which owns the buffer and never resizes or
         // frees it while alive (it hands it back to the pool in `Drop`, when no view is left).
         // The view comes from a mutable borrow, so numpy may write through it.
         unsafe {
-            if index >= 6 {
-                let view = ArrayViewMut2::from_shape((rows, cols), &mut field[..])
-                    .expect("rows * cols values");
+            if index == 6 {
+                let view = ArrayViewMut2::from_shape((pairs, 2), &mut field[..])
+                    .expect("pairs * 2 values");
                 PyArray2::borrow_from_array(&view, container)
                     .into_any()
                     .unbind()
@@ -658,15 +721,25 @@ impl Plan {
     fn positions(this: &Bound<'_, Self>) -> Py<PyAny> {
         Plan::array(this, 5)
     }
-    /// `[B, max_blocks]` int32 block tables padded with -1.
+    /// `[B, max_blocks]` int32 block tables padded with -1, built from the pages on each access
+    /// (a new array, not a view); MemoryError when it does not fit.
     #[getter]
-    fn block_tables(this: &Bound<'_, Self>) -> Py<PyAny> {
-        Plan::array(this, 6)
+    fn block_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let raw = self.raw();
+        let (rows, cols) = (self.batch_size, raw.max_blocks());
+        let tables = raw.block_tables().map_err(|_| {
+            PyMemoryError::new_err(format!(
+                "plan.block_tables needs {rows} x {cols} int32 entries, which cannot be allocated"
+            ))
+        })?;
+        drop(raw);
+        let tables = Array2::from_shape_vec((rows, cols), tables).expect("rows * cols values");
+        Ok(tables.into_pyarray(py))
     }
     /// `[n, 2]` int32 copy-on-write `(src, dst)` pairs to apply before this step's forward pass.
     #[getter]
     fn copies(this: &Bound<'_, Self>) -> Py<PyAny> {
-        Plan::array(this, 7)
+        Plan::array(this, 6)
     }
 
     fn __repr__(&self) -> String {
