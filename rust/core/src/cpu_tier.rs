@@ -23,12 +23,14 @@ struct Inner {
 
 impl CpuTier {
     /// Records that CPU `block` holds `hash`; `announce` runs (under the lock, so events stay
-    /// ordered) when it is the hash's first copy. A block already recorded is left alone.
+    /// ordered) when it is the hash's first copy. A block already recorded (shared by several
+    /// sequences of one swap) is left alone.
     pub(crate) fn add(&self, block: BlockId, hash: BlockHash, announce: impl FnOnce()) {
         let mut inner = lock(&self.inner);
-        if inner.hash_of.insert(block, hash).is_some() {
+        if inner.hash_of.contains_key(&block) {
             return;
         }
+        inner.hash_of.insert(block, hash);
         let copies = inner.copies.entry(hash).or_insert(0);
         *copies += 1;
         if *copies == 1 {
@@ -36,10 +38,20 @@ impl CpuTier {
         }
     }
 
-    /// Forgets CPU `block` (it became free); `withdraw` runs with its hash when that was the
-    /// hash's last copy.
-    pub(crate) fn remove(&self, block: BlockId, withdraw: impl FnOnce(BlockHash)) {
+    /// Drops one reference to CPU `block` through `release`, which says whether the block is now
+    /// free; a freed block is forgotten, and `withdraw` runs with its hash when that was the
+    /// hash's last copy. All under the lock: another thread cannot take the freed block and
+    /// record it again before its old entry is gone.
+    pub(crate) fn release(
+        &self,
+        block: BlockId,
+        release: impl FnOnce() -> bool,
+        withdraw: impl FnOnce(BlockHash),
+    ) {
         let mut inner = lock(&self.inner);
+        if !release() {
+            return;
+        }
         let Some(hash) = inner.hash_of.remove(&block) else {
             return;
         };

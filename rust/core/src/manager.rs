@@ -1057,15 +1057,18 @@ impl BlockManager {
     /// Releases a CPU block table, last block first; a freed block leaves the CPU tier.
     fn release_cpu_blocks(&self, table: &[BlockId]) {
         for &block in table.iter().rev() {
-            if self.cpu.release_block(block, 0) != Released::Held && self.events.enabled() {
-                self.cpu_tier.remove(block, |hash| {
-                    self.events.record(|| EventKind::BlockRemoved {
-                        block_hash: hash,
-                        block_id: block,
-                        medium: PoolKind::Cpu,
-                    })
-                });
+            let release = || self.cpu.release_block(block, 0) != Released::Held;
+            if !self.events.enabled() {
+                release();
+                continue;
             }
+            self.cpu_tier.release(block, release, |hash| {
+                self.events.record(|| EventKind::BlockRemoved {
+                    block_hash: hash,
+                    block_id: block,
+                    medium: PoolKind::Cpu,
+                })
+            });
         }
     }
 

@@ -88,7 +88,8 @@ impl Sequence {
         }
     }
 
-    /// Whether a swap-in's copy is not confirmed yet: the GPU blocks hold no KV until it is.
+    /// Whether a swap-in's copy is not confirmed yet: until it is, the sequence's blocks are
+    /// not registered through it.
     pub(crate) fn swap_in_pending(&self) -> bool {
         !self.swapped && self.swap_source.is_some()
     }

@@ -840,7 +840,9 @@ fn kv_worker(mgr: &BlockManager, engine: &Engine, thread_id: u64, ops: usize, ta
     }
     for mut s in live {
         confirm_kv(mgr, engine, &mut s);
-        if s.cpu_table.is_none() {
+        // A sequence that appended since its last plan may hold a copy-on-write copy that only
+        // its next plan delivers: its table's tail is not filled yet, so only the others read.
+        if s.cpu_table.is_none() && s.planned == s.tokens.len() {
             let table = mgr.block_table(s.id).unwrap();
             engine.read_back(&engine.gpu, &table, &s, s.planned, "end");
         }
@@ -853,11 +855,7 @@ fn kv_worker(mgr: &BlockManager, engine: &Engine, thread_id: u64, ops: usize, ta
 #[test]
 fn threads_read_back_their_kv() {
     const THREADS: u64 = 4;
-    let ops = if cfg!(debug_assertions) {
-        5_000
-    } else {
-        60_000
-    };
+    let ops = if cfg!(optimized) { 60_000 } else { 5_000 };
     for auto_commit in [true, false] {
         let mut cfg = Config::new(64, 4);
         cfg.num_cpu_blocks = 32;
