@@ -15,7 +15,8 @@ class OutOfBlocks(RuntimeError):
 
 @final
 class Plan:
-    """The attention inputs of one step; every array is int32 and shares the Rust buffer."""
+    """The attention inputs of one step; every array is int32 and shares the Rust buffer, except
+    `block_tables`, built from the CSR on each access."""
 
     @property
     def kv_indptr(self) -> npt.NDArray[np.int32]: ...

@@ -399,13 +399,7 @@ impl BlockManager {
     /// counts below what is already computed change nothing.
     pub fn commit(&self, seqs: &[SeqId], upto: Option<&[usize]>) -> Result<(), Error> {
         if let Some(upto) = upto {
-            if upto.len() != seqs.len() {
-                return Err(invalid(format!(
-                    "commit got {} sequences but {} token counts",
-                    seqs.len(),
-                    upto.len()
-                )));
-            }
+            one_each("commit", seqs.len(), upto.len(), "token counts")?;
         }
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
@@ -435,13 +429,7 @@ impl BlockManager {
     }
 
     fn fill_step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
-        if seqs.len() != tokens.len() {
-            return Err(invalid(format!(
-                "step got {} sequences but {} tokens",
-                seqs.len(),
-                tokens.len()
-            )));
-        }
+        one_each("step", seqs.len(), tokens.len(), "tokens")?;
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
         let mut nnz = 0;
@@ -476,13 +464,7 @@ impl BlockManager {
     }
 
     fn fill_plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
-        if seqs.len() != query_lens.len() {
-            return Err(invalid(format!(
-                "plan got {} sequences but {} query lengths",
-                seqs.len(),
-                query_lens.len()
-            )));
-        }
+        one_each("plan", seqs.len(), query_lens.len(), "query lengths")?;
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
         let (mut nnz, mut num_query_tokens) = (0, 0);
@@ -1306,6 +1288,16 @@ fn check_room(len: usize, more: usize) -> Result<(), Error> {
     if len + more > MAX_TOKENS {
         return Err(invalid(format!(
             "a sequence holds at most {MAX_TOKENS} tokens ({len} + {more} asked)"
+        )));
+    }
+    Ok(())
+}
+
+/// Fails unless a batch call got one of `what` per sequence.
+fn one_each(call: &str, seqs: usize, values: usize, what: &str) -> Result<(), Error> {
+    if seqs != values {
+        return Err(invalid(format!(
+            "{call} got {seqs} sequences but {values} {what}"
         )));
     }
     Ok(())

@@ -324,7 +324,7 @@ impl BlockManager {
         py: Python<'py>,
         seq_id: &Bound<'py, PyAny>,
         token_ids: &Bound<'py, PyAny>,
-        loadable_blocks: usize,
+        loadable_blocks: &Bound<'py, PyAny>,
         salt: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(usize, Bound<'py, PyArray1<i32>>)> {
         let (id, tokens, salt) = (
@@ -332,6 +332,7 @@ impl BlockManager {
             self::token_ids(token_ids)?,
             salt_bytes(salt)?,
         );
+        let loadable_blocks = integer::<u64>(loadable_blocks, "loadable_blocks")? as usize;
         let (reused, blocks) = py
             .detach(|| {
                 self.inner
@@ -343,7 +344,12 @@ impl BlockManager {
     }
 
     /// The first `num_loaded` blocks handed out by `allocate_loading` hold their KV now.
-    fn confirm_loads(&self, seq_id: &Bound<'_, PyAny>, num_loaded: usize) -> PyResult<()> {
+    fn confirm_loads(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        num_loaded: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let num_loaded = integer::<u64>(num_loaded, "num_loaded")? as usize;
         self.inner
             .confirm_loads(self::seq_id(seq_id)?, num_loaded)
             .map_err(to_py)
