@@ -579,10 +579,12 @@ class ReferenceBlockManager:
                 raise ValueError(f"sequence {seq_id}: plan its pending tokens before a step")
 
         seqs = self._batch(ids, False, check)
-        for seq in seqs:
-            self._auto_commit(seq)
+        for seq in seqs:  # a completed copy may unshare another member's tail
+            if seq.copying:
+                self._auto_commit(seq)
         self._check_gpu(sum(self._append_needed(seq, 1) for seq in seqs))
         for seq, token in zip(seqs, tokens, strict=True):
+            self._auto_commit(seq)
             self._append(seq, [token])
         return self._plan(seqs, [1] * len(seqs))
 

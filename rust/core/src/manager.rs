@@ -10,7 +10,7 @@ use crate::events::{EventKind, EventLog};
 use crate::plan::Plan;
 use crate::pool::{BlockPool, Hit, Released};
 use crate::prefix::{short, BlockHash, Chain, PrefixCache};
-use crate::sequence::{Batch, PendingCopy, Sequence, SequenceMap};
+use crate::sequence::{Batch, Member, PendingCopy, Sequence, SequenceMap};
 use crate::stats::{Counters, Stats};
 use crate::sync::{AtomicU64, Ordering};
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
@@ -367,7 +367,7 @@ impl BlockManager {
         }
         not_loading(seq, s)?;
         check_room(s.tokens.len(), tokens.len())?;
-        self.auto_commit(s);
+        self.settle(self.auto_commit(s));
         let needed = self.blocks_to_append(s, tokens.len());
         self.reserve_gpu(needed)?;
         let used = self.append_reserved(s, tokens);
@@ -403,8 +403,10 @@ impl BlockManager {
         }
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
+        let mut members = Vec::with_capacity(seqs.len());
         for (b, &id) in seqs.iter().enumerate() {
-            let s = visit(&mut batch, id, stamp, false)?;
+            let member = visit(&mut batch, id, stamp, false)?;
+            let s = batch.at(member);
             if let Some(n) = upto.map(|u| u[b]) {
                 if n > s.planned {
                     return Err(invalid(format!(
@@ -413,12 +415,15 @@ impl BlockManager {
                     )));
                 }
             }
+            members.push(member);
         }
-        for (b, &id) in seqs.iter().enumerate() {
-            let s = batch.get(id).expect("validated above");
+        let mut computed = 0;
+        for (b, &member) in members.iter().enumerate() {
+            let s = batch.at(member);
             let n = upto.map_or(s.planned, |u| u[b]);
-            self.commit_to(s, n);
+            computed += self.commit_unsettled(s, n);
         }
+        self.settle(computed);
         Ok(())
     }
 
@@ -432,31 +437,47 @@ impl BlockManager {
         one_each("step", seqs.len(), tokens.len(), "tokens")?;
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
-        let mut nnz = 0;
+        let mut members = Vec::with_capacity(seqs.len());
+        let (mut nnz, mut needed, mut copying) = (0, 0, false);
         for &id in seqs {
-            let s = visit(&mut batch, id, stamp, false)?;
+            let member = visit(&mut batch, id, stamp, false)?;
+            let s = batch.at(member);
             not_loading(id, s)?;
             check_room(s.tokens.len(), 1)?;
             no_gap(id, s, s.tokens.len())?;
             nnz += self.bs.pages(s.tokens.len() + 1);
+            needed += self.blocks_to_append(s, 1);
+            copying |= !s.copying.is_empty();
+            members.push(member);
         }
-        // Every auto-commit first: one may complete a copy whose source is another member's
-        // tail, which then needs no copy-on-write.
-        for &id in seqs {
-            self.auto_commit(batch.get(id).expect("validated above"));
-        }
-        let mut needed = 0;
-        for &id in seqs {
-            needed += self.blocks_to_append(batch.get(id).expect("validated above"), 1);
+        // Members with copies in flight are committed first: a completed copy releases its
+        // source, which may be another member's tail that then needs no copy-on-write, so
+        // `needed` is counted again after them. Any other commit changes no refcount, so it
+        // waits for its own member's turn below (one pass over the batch fewer).
+        if copying && self.config.auto_commit {
+            let mut computed = 0;
+            for &member in &members {
+                let s = batch.at(member);
+                if !s.copying.is_empty() {
+                    computed += self.auto_commit(s);
+                }
+            }
+            self.settle(computed);
+            needed = members
+                .iter()
+                .map(|&member| self.blocks_to_append(batch.at(member), 1))
+                .sum();
         }
         self.reserve_gpu(needed)?;
         plan.begin(seqs.len(), nnz, seqs.len(), self.bs);
-        let mut used = 0;
-        for (&id, &token) in seqs.iter().zip(tokens) {
-            let s = batch.get(id).expect("validated above");
+        let (mut used, mut computed) = (0, 0);
+        for (&member, &token) in members.iter().zip(tokens) {
+            let s = batch.at(member);
+            computed += self.auto_commit(s);
             used += self.append_reserved(s, &[token]);
             self.plan_one(s, 1, plan);
         }
+        self.settle(computed);
         self.gpu.unreserve(needed - used);
         self.gpu.add_stored(seqs.len());
         Counters::add(&self.counters.pending_tokens, seqs.len() as u64);
@@ -468,8 +489,11 @@ impl BlockManager {
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
         let (mut nnz, mut num_query_tokens) = (0, 0);
+        let mut members = Vec::with_capacity(seqs.len());
         for (&id, &q) in seqs.iter().zip(query_lens) {
-            let s = visit(&mut batch, id, stamp, false)?;
+            let member = visit(&mut batch, id, stamp, false)?;
+            members.push(member);
+            let s = batch.at(member);
             not_loading(id, s)?;
             let len = s.tokens.len();
             if q == 0 || q as usize > len {
@@ -482,11 +506,13 @@ impl BlockManager {
             num_query_tokens += q as usize;
         }
         plan.begin(seqs.len(), nnz, num_query_tokens, self.bs);
-        for (&id, &q) in seqs.iter().zip(query_lens) {
-            let s = batch.get(id).expect("validated above");
-            self.auto_commit(s);
+        let mut computed = 0;
+        for (&member, &q) in members.iter().zip(query_lens) {
+            let s = batch.at(member);
+            computed += self.auto_commit(s);
             self.plan_one(s, q as usize, plan);
         }
+        self.settle(computed);
         Ok(())
     }
 
@@ -495,30 +521,50 @@ impl BlockManager {
     fn plan_one(&self, s: &mut Sequence, q: usize, plan: &mut Plan) {
         let len = s.tokens.len();
         plan.push(&s.table, len, q, self.bs);
-        for mut copy in s.copies.drain(..) {
-            plan.push_copy(copy.src, copy.dst);
-            copy.until = len;
-            s.copying.push(copy);
+        if !s.copies.is_empty() {
+            for mut copy in s.copies.drain(..) {
+                plan.push_copy(copy.src, copy.dst);
+                copy.until = len;
+                s.copying.push(copy);
+            }
         }
         s.planned = len;
     }
 
-    /// With `auto_commit`, a call naming a sequence first commits its latest plan.
-    fn auto_commit(&self, s: &mut Sequence) {
+    /// With `auto_commit`, a call naming a sequence first commits its latest plan. Returns the
+    /// tokens that became computed, for [`BlockManager::settle`].
+    fn auto_commit(&self, s: &mut Sequence) -> u64 {
         if self.config.auto_commit {
-            self.commit_to(s, s.planned);
+            self.commit_unsettled(s, s.planned)
+        } else {
+            0
+        }
+    }
+
+    /// Commits `s` up to `upto` and settles the token gauges.
+    fn commit_to(&self, s: &mut Sequence, upto: usize) {
+        let computed = self.commit_unsettled(s, upto);
+        self.settle(computed);
+    }
+
+    /// Moves `tokens` from the pending gauge to the computed one: once per call, not per
+    /// sequence, so a batch pays two atomic additions however large it is.
+    fn settle(&self, tokens: u64) {
+        if tokens > 0 {
+            Counters::add(&self.counters.computed_tokens, tokens);
+            Counters::sub(&self.counters.pending_tokens, tokens);
         }
     }
 
     /// Marks the sequence's KV computed up to `upto` (at most `planned`), completes the copies
-    /// of committed plans and registers the newly computed full blocks.
-    fn commit_to(&self, s: &mut Sequence, upto: usize) {
+    /// of committed plans and registers the newly computed full blocks. Returns the tokens that
+    /// became computed; the caller settles them.
+    fn commit_unsettled(&self, s: &mut Sequence, upto: usize) -> u64 {
         debug_assert!(upto <= s.planned);
+        let mut computed = 0;
         if upto > s.computed {
-            let delta = (upto - s.computed) as u64;
+            computed = (upto - s.computed) as u64;
             s.computed = upto;
-            Counters::add(&self.counters.computed_tokens, delta);
-            Counters::sub(&self.counters.pending_tokens, delta);
         }
         if !s.copying.is_empty() {
             let computed = s.computed;
@@ -534,6 +580,7 @@ impl BlockManager {
             let computed_blocks = self.bs.index(s.computed);
             self.register_full(s, computed_blocks);
         }
+        computed
     }
 
     /// Makes `child` a copy of `parent` that shares all its blocks (copy-on-write). The
@@ -555,7 +602,7 @@ impl BlockManager {
                 "sequence {parent}: confirm its swap-in before forking it"
             )));
         }
-        self.auto_commit(p);
+        self.settle(self.auto_commit(p));
         if p.computed != p.tokens.len() {
             return Err(invalid(format!(
                 "sequence {parent}: only {} of its {} tokens have computed KV; commit its forward \
@@ -1183,7 +1230,8 @@ impl BlockManager {
         let mut order: Vec<BlockId> = Vec::new();
         let mut distinct = HashSet::new();
         for &id in seqs {
-            let s = visit(&mut batch, id, stamp, to_gpu)?;
+            let member = visit(&mut batch, id, stamp, to_gpu)?;
+            let s = batch.at(member);
             if s.swap_source.is_some() {
                 let pending = if to_gpu { "swap-out" } else { "swap-in" };
                 return Err(invalid(format!(
@@ -1204,7 +1252,7 @@ impl BlockManager {
         }
         if !to_gpu {
             for &id in seqs {
-                self.auto_commit(batch.get(id).expect("validated above"));
+                self.settle(self.auto_commit(batch.get(id).expect("validated above")));
             }
         }
         let (to, kind) = if to_gpu {
@@ -1262,8 +1310,8 @@ impl BlockManager {
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
         for &id in seqs {
-            let s = visit(&mut batch, id, stamp, !to_gpu)?;
-            if s.swap_source.is_none() {
+            let member = visit(&mut batch, id, stamp, !to_gpu)?;
+            if batch.at(member).swap_source.is_none() {
                 let what = if to_gpu { "swap-in" } else { "swap-out" };
                 return Err(invalid(format!("sequence {id} has no {what} to confirm")));
             }
@@ -1325,14 +1373,11 @@ fn no_gap(id: SeqId, s: &Sequence, start: usize) -> Result<(), Error> {
     Ok(())
 }
 
-/// Checks one member of a batch (live, not repeated, on the expected side) and marks it.
-fn visit<'b>(
-    batch: &'b mut Batch<'_>,
-    id: SeqId,
-    stamp: u64,
-    swapped: bool,
-) -> Result<&'b mut Sequence, Error> {
-    let s = batch.get(id).ok_or(Error::UnknownSequence(id))?;
+/// Checks one member of a batch (live, not repeated, on the expected side), marks it and says
+/// where it is.
+fn visit(batch: &mut Batch<'_>, id: SeqId, stamp: u64, swapped: bool) -> Result<Member, Error> {
+    let member = batch.find(id).ok_or(Error::UnknownSequence(id))?;
+    let s = batch.at(member);
     if s.stamp == stamp {
         return Err(invalid(format!("sequence {id} appears twice in the batch")));
     }
@@ -1344,7 +1389,7 @@ fn visit<'b>(
         });
     }
     s.stamp = stamp;
-    Ok(s)
+    Ok(member)
 }
 
 #[cfg(all(test, not(loom)))]

@@ -1,6 +1,6 @@
-//! Per-sequence state (tokens, block table, block hashes) in a sharded map. An operation locks
-//! the shards of the sequences it touches, in shard order, so different sequences can be driven
-//! from different threads at once and batches never deadlock.
+//! Per-sequence state (tokens, block table, block hashes, lifecycle) in a sharded map. An
+//! operation locks the shards of the sequences it touches, in shard order, so different
+//! sequences can be driven from different threads at once and batches never deadlock.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -18,17 +18,6 @@ pub(crate) struct Sequence {
     pub(crate) tokens: Vec<Token>,
     /// GPU block ids, or CPU block ids while `swapped`.
     pub(crate) table: Vec<BlockId>,
-    /// `hashes[i]` is the chaining value of full block `i`, computed lazily (empty without
-    /// prefix caching); at least the registered blocks are hashed.
-    pub(crate) hashes: Vec<Chain>,
-    /// Chaining value before block 0 (binds the key and the salt).
-    pub(crate) root: Chain,
-    pub(crate) swapped: bool,
-    /// The partial last block may be shared (after a fork or a swap), so an append must check
-    /// its refcount and copy on write. False means it is held by this sequence alone.
-    pub(crate) shared_tail: bool,
-    /// The last batch that visited this sequence; detects repeats within one batch.
-    pub(crate) stamp: u64,
     /// Tokens `0..computed` have KV the engine confirmed.
     pub(crate) computed: usize,
     /// Tokens `0..planned` are computed or being computed by a handed-out plan
@@ -36,16 +25,27 @@ pub(crate) struct Sequence {
     pub(crate) planned: usize,
     /// Full blocks `0..registered` were offered to the prefix cache (all computed).
     pub(crate) registered: usize,
+    /// The last batch that visited this sequence; detects repeats within one batch.
+    pub(crate) stamp: u64,
     /// Copy-on-write copies recorded by appends, not yet handed to a plan. This sequence holds
     /// each source until the plan that applies the copy is committed.
     pub(crate) copies: Vec<PendingCopy>,
     /// Copies handed to a plan whose forward pass is not committed yet.
     pub(crate) copying: Vec<PendingCopy>,
+    /// External loads handed out by `allocate_loading`: logical blocks `first..first + count`.
+    pub(crate) loading: Option<(usize, usize)>,
     /// The other pool's table of a swap whose copy is not confirmed yet (still held): the GPU
     /// blocks of a swap-out (while `swapped`) or the CPU blocks of a swap-in.
     pub(crate) swap_source: Option<Vec<BlockId>>,
-    /// External loads handed out by `allocate_loading`: logical blocks `first..first + count`.
-    pub(crate) loading: Option<(usize, usize)>,
+    pub(crate) swapped: bool,
+    /// The partial last block may be shared (after a fork or a swap), so an append must check
+    /// its refcount and copy on write. False means it is held by this sequence alone.
+    pub(crate) shared_tail: bool,
+    /// `hashes[i]` is the chaining value of full block `i`, computed lazily (empty without
+    /// prefix caching); at least the registered blocks are hashed.
+    pub(crate) hashes: Vec<Chain>,
+    /// Chaining value before block 0 (binds the key and the salt).
+    pub(crate) root: Chain,
 }
 
 /// One copy-on-write copy a sequence still depends on.
@@ -117,7 +117,55 @@ impl Hasher for SeqIdHasher {
     }
 }
 
-pub(crate) type Shard = HashMap<SeqId, Sequence, BuildHasherDefault<SeqIdHasher>>;
+/// One shard: its sequences in slots, and the map from id to slot. A batch resolves each id
+/// once ([`Batch::find`]) and then reaches the sequence by its slot, however many passes it
+/// makes over the batch.
+#[derive(Default)]
+pub(crate) struct Shard {
+    slot_of: HashMap<SeqId, u32, BuildHasherDefault<SeqIdHasher>>,
+    slots: Vec<Option<(SeqId, Sequence)>>,
+    vacant: Vec<u32>,
+}
+
+impl Shard {
+    fn slot(&self, id: SeqId) -> Option<u32> {
+        self.slot_of.get(&id).copied()
+    }
+
+    fn at(&mut self, slot: u32) -> &mut Sequence {
+        &mut self.slots[slot as usize].as_mut().expect("a live slot").1
+    }
+
+    fn get(&mut self, id: SeqId) -> Option<&mut Sequence> {
+        let slot = self.slot(id)?;
+        Some(self.at(slot))
+    }
+
+    /// Adds `id`, which is not live.
+    fn insert(&mut self, id: SeqId, seq: Sequence) {
+        let slot = match self.vacant.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some((id, seq));
+                slot
+            }
+            None => {
+                self.slots.push(Some((id, seq)));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.slot_of.insert(id, slot);
+    }
+
+    fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        let slot = self.slot_of.remove(&id)?;
+        self.vacant.push(slot);
+        self.slots[slot as usize].take().map(|(_, seq)| seq)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&SeqId, &Sequence)> {
+        self.slots.iter().flatten().map(|(id, seq)| (id, seq))
+    }
+}
 
 /// All live sequences.
 pub(crate) struct SequenceMap {
@@ -186,6 +234,13 @@ pub(crate) struct Batch<'a> {
     len: &'a AtomicUsize,
 }
 
+/// Where a live member of a batch is: found once, then reached without a lookup.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Member {
+    shard: u8,
+    slot: u32,
+}
+
 impl Batch<'_> {
     fn shard(&mut self, id: SeqId) -> &mut Shard {
         self.guards[shard_of(id)]
@@ -193,14 +248,32 @@ impl Batch<'_> {
             .expect("the batch locked this sequence's shard")
     }
 
+    /// Where the sequence is, if live.
+    pub(crate) fn find(&mut self, id: SeqId) -> Option<Member> {
+        let shard = shard_of(id);
+        let slot = self.shard(id).slot(id)?;
+        Some(Member {
+            shard: shard as u8,
+            slot,
+        })
+    }
+
+    /// The member found by [`Batch::find`] (in this batch, and still live).
+    pub(crate) fn at(&mut self, member: Member) -> &mut Sequence {
+        self.guards[member.shard as usize]
+            .as_mut()
+            .expect("the batch locked this member's shard")
+            .at(member.slot)
+    }
+
     /// The sequence, if live.
     pub(crate) fn get(&mut self, id: SeqId) -> Option<&mut Sequence> {
-        self.shard(id).get_mut(&id)
+        self.shard(id).get(id)
     }
 
     /// Whether `id` is live.
     pub(crate) fn contains(&mut self, id: SeqId) -> bool {
-        self.shard(id).contains_key(&id)
+        self.shard(id).slot(id).is_some()
     }
 
     /// Adds a new sequence.
@@ -225,7 +298,7 @@ pub(crate) struct One<'a> {
 impl One<'_> {
     /// The sequence, if live.
     pub(crate) fn get(&mut self) -> Option<&mut Sequence> {
-        self.shard.get_mut(&self.id)
+        self.shard.get(self.id)
     }
 
     /// Adds the sequence.
@@ -236,7 +309,7 @@ impl One<'_> {
 
     /// Removes the sequence.
     pub(crate) fn remove(&mut self) -> Option<Sequence> {
-        let seq = self.shard.remove(&self.id);
+        let seq = self.shard.remove(self.id);
         if seq.is_some() {
             self.len.fetch_sub(1, Ordering::Relaxed);
         }

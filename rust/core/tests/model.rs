@@ -576,8 +576,11 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        // A completed copy may unshare another member's tail: those commits come first.
         for &s in seqs {
-            self.auto_commit(s);
+            if !self.seqs[&s].copying.is_empty() {
+                self.auto_commit(s);
+            }
         }
         let needed: usize = seqs
             .iter()
@@ -589,6 +592,7 @@ impl Model {
         }
         let mut p = self.begin_plan();
         for (&s, &t) in seqs.iter().zip(tokens) {
+            self.auto_commit(s);
             self.do_append(s, &[t]);
             self.plan_row(s, 1, &mut p);
         }
