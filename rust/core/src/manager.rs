@@ -559,6 +559,7 @@ impl BlockManager {
     /// Marks the sequence's KV computed up to `upto` (at most `planned`), completes the copies
     /// of committed plans and registers the newly computed full blocks. Returns the tokens that
     /// became computed; the caller settles them.
+    #[inline]
     fn commit_unsettled(&self, s: &mut Sequence, upto: usize) -> u64 {
         debug_assert!(upto <= s.planned);
         let mut computed = 0;
@@ -566,6 +567,18 @@ impl BlockManager {
             computed = (upto - s.computed) as u64;
             s.computed = upto;
         }
+        // The decode step's usual case: no copy to complete and no block newly full.
+        let full = self.bs.index(s.computed);
+        if s.copying.is_empty() && (full <= s.registered || self.prefix.is_none()) {
+            return computed;
+        }
+        self.complete_and_register(s);
+        computed
+    }
+
+    /// The rest of a commit: completes the copies of committed plans and registers the newly
+    /// computed full blocks.
+    fn complete_and_register(&self, s: &mut Sequence) {
         if !s.copying.is_empty() {
             let computed = s.computed;
             s.copying.retain(|copy| {
@@ -580,7 +593,6 @@ impl BlockManager {
             let computed_blocks = self.bs.index(s.computed);
             self.register_full(s, computed_blocks);
         }
-        computed
     }
 
     /// Makes `child` a copy of `parent` that shares all its blocks (copy-on-write). The

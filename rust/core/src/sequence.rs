@@ -12,8 +12,10 @@ use crate::{BlockId, SeqId, Token};
 const SHARDS: usize = 32;
 
 /// One sequence: its tokens, its block table, the hashes of its full blocks and where its KV
-/// stands in the lifecycle (pending -> computed).
+/// stands in the lifecycle (pending -> computed). `repr(C)` keeps what a decode step reads for
+/// every member in the first two cache lines; the rarely used fields follow.
 #[derive(Clone, Debug)]
+#[repr(C)]
 pub(crate) struct Sequence {
     pub(crate) tokens: Vec<Token>,
     /// GPU block ids, or CPU block ids while `swapped`.
@@ -27,20 +29,20 @@ pub(crate) struct Sequence {
     pub(crate) registered: usize,
     /// The last batch that visited this sequence; detects repeats within one batch.
     pub(crate) stamp: u64,
-    /// Copy-on-write copies recorded by appends, not yet handed to a plan. This sequence holds
-    /// each source until the plan that applies the copy is committed.
-    pub(crate) copies: Vec<PendingCopy>,
-    /// Copies handed to a plan whose forward pass is not committed yet.
-    pub(crate) copying: Vec<PendingCopy>,
-    /// External loads handed out by `allocate_loading`: logical blocks `first..first + count`.
-    pub(crate) loading: Option<(usize, usize)>,
-    /// The other pool's table of a swap whose copy is not confirmed yet (still held): the GPU
-    /// blocks of a swap-out (while `swapped`) or the CPU blocks of a swap-in.
-    pub(crate) swap_source: Option<Vec<BlockId>>,
     pub(crate) swapped: bool,
     /// The partial last block may be shared (after a fork or a swap), so an append must check
     /// its refcount and copy on write. False means it is held by this sequence alone.
     pub(crate) shared_tail: bool,
+    /// Copies handed to a plan whose forward pass is not committed yet.
+    pub(crate) copying: Vec<PendingCopy>,
+    /// External loads handed out by `allocate_loading`: logical blocks `first..first + count`.
+    pub(crate) loading: Option<(usize, usize)>,
+    /// Copy-on-write copies recorded by appends, not yet handed to a plan. This sequence holds
+    /// each source until the plan that applies the copy is committed.
+    pub(crate) copies: Vec<PendingCopy>,
+    /// The other pool's table of a swap whose copy is not confirmed yet (still held): the GPU
+    /// blocks of a swap-out (while `swapped`) or the CPU blocks of a swap-in.
+    pub(crate) swap_source: Option<Vec<BlockId>>,
     /// `hashes[i]` is the chaining value of full block `i`, computed lazily (empty without
     /// prefix caching); at least the registered blocks are hashed.
     pub(crate) hashes: Vec<Chain>,
