@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from pagedkv import BlockManager
 
 _STOP = None
-_IDLE_POLL_S = 0.01  # how long the thread waits for a batch before it looks at the sockets
+# The thread wakes on this period and drains the queue, rather than blocking on it: a blocked
+# consumer is woken by every `put`, and each wake-up makes the engine's thread wait for the GIL.
+_IDLE_POLL_S = 0.001
 _LINGER_MS = 2000  # on close, how long queued messages may take to leave
 
 
@@ -218,8 +220,9 @@ class KVEventPublisher:
         while True:
             self._serve(poller)
             try:
-                item = self._queue.get(timeout=_IDLE_POLL_S)
+                item = self._queue.get_nowait()
             except queue.Empty:
+                time.sleep(_IDLE_POLL_S)
                 continue
             if item is _STOP:
                 self._serve(poller)
