@@ -1,8 +1,9 @@
 """The stored value of one block: a fixed header, then the block's K and V for every layer.
 
 Layout (little-endian): magic `b"PKVB"`, format version (u16), dtype code (u8), one zero byte,
-layers, block size, KV heads, head dim (u32 each), payload length (u64), CRC-32 of the payload
-(u32), the block's 128-bit chain hash, zero padding to 64 bytes; then the payload,
+layers, block size, KV heads, head dim (u32 each), payload length (u64), XXH3-64 of the payload
+(u64; 40 GB/s here, where CRC-32 does 4), the block's 128-bit chain hash, zero padding to 64
+bytes; then the payload,
 `[layers, 2, block_size, kv_heads, head_dim]` of the dtype (index 0 of the second dimension is
 K, 1 is V). The padding keeps the payload aligned for every dtype, so a block can be copied
 straight into place behind room left for its header (`encode_into`): building a value copies
@@ -22,12 +23,13 @@ True
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
+
+import xxhash
 
 MAGIC = b"PKVB"
 FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHBx4IQI16s12x")
+_HEADER = struct.Struct("<4sHBx4IQQ16s8x")
 HEADER_SIZE = _HEADER.size
 _HASH_MASK = (1 << 128) - 1
 
@@ -97,7 +99,7 @@ def encode_into(spec: BlockSpec, block_hash: int, value: memoryview) -> None:
         spec.num_kv_heads,
         spec.head_dim,
         spec.payload_size,
-        zlib.crc32(value[HEADER_SIZE:]),
+        xxhash.xxh3_64_intdigest(value[HEADER_SIZE:]),
         (block_hash & _HASH_MASK).to_bytes(16, "little"),
     )
 
@@ -113,8 +115,8 @@ def decode(spec: BlockSpec, block_hash: int, value: bytes) -> memoryview:
     """The payload of `value`, checked against `spec` and `block_hash`; else `CorruptValue`."""
     if len(value) < HEADER_SIZE:
         raise CorruptValue(f"value of {len(value)} bytes is shorter than the header")
-    (magic, version, dtype, layers, bs, heads, dim, length, crc, stored_hash) = _HEADER.unpack_from(
-        value
+    (magic, version, dtype, layers, bs, heads, dim, length, checksum, stored_hash) = (
+        _HEADER.unpack_from(value)
     )
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptValue(f"not a pagedkv block value (magic {magic!r}, version {version})")
@@ -130,6 +132,6 @@ def decode(spec: BlockSpec, block_hash: int, value: bytes) -> memoryview:
             f"expected {spec.payload_size}"
         )
     payload = memoryview(value)[HEADER_SIZE:]
-    if zlib.crc32(payload) != crc:
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
         raise CorruptValue("payload checksum mismatch")
     return payload

@@ -89,8 +89,36 @@ class TierStats:
 @dataclass
 class _SaveBatch:
     hashes: list[int]
-    values: torch.Tensor  # uint8 [n, HEADER_SIZE + payload]: header room, then the block
+    buffer: torch.Tensor  # from `_HostBuffers`, given back once the batch is saved or failed
+    values: torch.Tensor  # uint8 [n, HEADER_SIZE + payload] rows of `buffer`
     blocks: HostBlocks  # the copy into `values`, maybe in flight
+
+
+class _HostBuffers:
+    """Host buffers for save batches, reused: fresh host memory costs a page fault per page on
+    first touch (pinned memory on CUDA costs far more to allocate) on every save otherwise.
+    At most `keep` idle buffers are kept."""
+
+    def __init__(self, row_bytes: int, pin: bool, keep: int) -> None:
+        self._row_bytes = row_bytes
+        self._pin = pin
+        self._keep = keep
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, rows: int) -> torch.Tensor:
+        """A uint8 buffer of at least `rows` rows."""
+        with self._lock:
+            for i, buffer in enumerate(self._idle):
+                if buffer.shape[0] >= rows:
+                    return self._idle.pop(i)
+        return torch.empty((rows, self._row_bytes), dtype=torch.uint8, pin_memory=self._pin)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Returns a buffer nobody reads or writes any more."""
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(buffer)
 
 
 def block_spec(cache: KVCache) -> BlockSpec:
@@ -147,6 +175,9 @@ class KVTier:
         self._stats = TierStats()
         self._stats_lock = threading.Lock()
         self._queue: deque[_SaveBatch] = deque()
+        self._buffers = _HostBuffers(
+            HEADER_SIZE + self.spec.payload_size, cache.device.type == "cuda", save_threads + 1
+        )
         self._pending = 0  # blocks queued or being saved
         self._closing = False
         self._cond = threading.Condition()
@@ -214,14 +245,11 @@ class KVTier:
     def _read(self, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
         """Enqueue the copy of `block_ids` into values with room for their headers."""
         c, n = self.cache, len(hashes)
-        values = torch.empty(
-            (n, HEADER_SIZE + self.spec.payload_size),
-            dtype=torch.uint8,
-            pin_memory=c.device.type == "cuda",
-        )
+        buffer = self._buffers.take(n)
+        values = buffer[:n]
         shape = (n, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
         blocks = values[:, HEADER_SIZE:].view(c.dtype).view(shape)
-        return _SaveBatch(hashes, values, c.read_blocks(block_ids, out=blocks))
+        return _SaveBatch(hashes, buffer, values, c.read_blocks(block_ids, out=blocks))
 
     def _remember(self, block_hash: int) -> None:
         self._offered[block_hash] = None
@@ -239,6 +267,7 @@ class KVTier:
             try:
                 self._save(batch)
             finally:
+                self._buffers.give(batch.buffer)
                 with self._cond:
                     self._pending -= len(batch.hashes)
                     self._cond.notify_all()
