@@ -26,31 +26,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from pagedkv._core import BlockManager
 from pagedkv.kv_cache import HostBlocks, KVCache
 from pagedkv.tier.codec import HEADER_SIZE, BlockSpec, CorruptValue, decode, encode_into
 from pagedkv.tier.namespace import Namespace
 from pagedkv.tier.store import Store, StoreError, StoreTimeout
-
-
-class TieredManager(Protocol):
-    """The `BlockManager` calls the tier uses (external admission and chain hashes)."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def hash_key_fingerprint(self) -> str | None: ...
-    def block_hashes(self, token_ids: Any, *, salt: bytes | str | None = None) -> list[int]: ...
-    def cached_prefix_blocks(self, token_ids: Any, *, salt: bytes | str | None = None) -> int: ...
-    def allocate_loading(
-        self,
-        seq_id: int,
-        token_ids: Any,
-        loadable_blocks: int,
-        *,
-        salt: bytes | str | None = None,
-    ) -> tuple[int, npt.NDArray[np.int32]]: ...
-    def confirm_loads(self, seq_id: int, num_loaded: int) -> None: ...
-    def num_computed(self, seq_id: int) -> int: ...
 
 
 class BlockEvent(Protocol):
@@ -141,7 +121,7 @@ class KVTier:
         self,
         store: Store,
         model_id: str,
-        manager: TieredManager,
+        manager: BlockManager,
         cache: KVCache,
         *,
         timeout: float = 1.0,
