@@ -1,8 +1,8 @@
 """The external KV tier on Redis: save and load throughput against raw redis-py, and step cost.
 
 In the same run, against the same server, with the same bytes:
-- save: `KVTier.offer` of computed blocks until `flush` (device-to-host copy, header, CRC-32,
-  pipelined SET) against raw redis-py pipelined SET of the already encoded values;
+- save: `KVTier.offer` of computed blocks until `flush` (device-to-host copy, header, XXH3-64
+  checksum, pipelined SET) against raw redis-py pipelined SET of the already encoded values;
 - load: `KVTier.admit` of a prompt whose blocks the store holds (EXISTS pipeline, MGET, checks,
   copy into the KV cache, confirm) against a raw redis-py MGET of the same keys;
 - the decode loop of `examples/continuous_batching.py` (a tiny Llama) with the tier off and on:
