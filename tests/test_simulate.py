@@ -3,6 +3,7 @@ trace generators and parsers, and the paper's setting (vLLM, SOSP 2023, section 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -34,12 +35,18 @@ from pagedkv.simulate.engine import Active, KVSystem, run
 from pagedkv.simulate.metrics import Composition, StepLog
 from pagedkv.simulate.paged import PagedSystem
 from pagedkv.simulate.presets import default_kv_memory
-from pagedkv.simulate.timing import StepTimeModel
+from pagedkv.simulate.timing import PREFILL_FLOP_FRACTION, StepTimeModel
 
 INF = math.inf
 # One second per step whatever the batch, so throughput is tokens per step.
 UNIT_TIME = StepTimeModel(
-    weight_bytes=1.0, kv_bytes_per_token=0, num_params=0.0, bandwidth=1.0, flops=1.0
+    weight_bytes=1.0,
+    kv_bytes_per_token=0,
+    num_params=0.0,
+    bandwidth=1.0,
+    flops=1.0,
+    bandwidth_fraction=1.0,
+    flop_fraction=1.0,
 )
 
 
@@ -412,14 +419,26 @@ def test_model_kv_bytes_per_token() -> None:
 
 
 def test_step_time_model_by_hand() -> None:
-    model = StepTimeModel(weight_bytes=1e9, kv_bytes_per_token=1000, num_params=5e8,
-                          bandwidth=1e12, flops=1e15)  # fmt: skip
+    ideal = StepTimeModel(weight_bytes=1e9, kv_bytes_per_token=1000, num_params=5e8,
+                          bandwidth=1e12, flops=1e15, bandwidth_fraction=1.0,
+                          flop_fraction=1.0)  # fmt: skip
     # (1e9 + 1000 * 1e6) / 1e12 = 2 ms; prefill 100 tokens x 2 x 5e8 / 1e15 = 0.1 ms.
-    assert model.step_seconds(10**6, 100) == pytest.approx(2e-3 + 1e-4)
-    assert model.decode_seconds(10**6) == pytest.approx(2e-3)
-    assert model.prefill_seconds(100) == pytest.approx(1e-4)
-    two = StepTimeModel.for_hardware(MODELS["OPT-13B"], GPUS["H100-80GB"], 2)
+    assert ideal.decode_seconds(10**6) == pytest.approx(2e-3)
+    assert ideal.prefill_seconds(100) == pytest.approx(1e-4)
+    # Achieving half the bandwidth doubles decode; a quarter of the FLOP/s, 4x prefill.
+    real = dataclasses.replace(ideal, bandwidth_fraction=0.5, flop_fraction=0.25)
+    assert real.decode_seconds(10**6) == pytest.approx(4e-3)
+    assert real.prefill_seconds(100) == pytest.approx(4e-4)
+    two = config(gpu=GPUS["H100-80GB"], num_gpus=2, bandwidth_fraction=0.5).timing
     assert two.bandwidth == 2 * GPUS["H100-80GB"].bandwidth
+    assert two.flops == 2 * GPUS["H100-80GB"].flops
+    assert two.bandwidth_fraction == 0.5 and two.flop_fraction == PREFILL_FLOP_FRACTION
+    assert config().timing.bandwidth_fraction == pytest.approx(1397.31 / 2039)
+    for bad in (0.0, 1.5, math.nan):
+        with pytest.raises(ConfigError, match="decode bandwidth fraction must be in"):
+            config(bandwidth_fraction=bad)
+        with pytest.raises(ConfigError, match="prefill FLOP fraction must be in"):
+            config(flop_fraction=bad)
 
 
 def test_step_log_window_ends_at_the_last_waiting_step() -> None:

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 if TYPE_CHECKING:
     from pagedkv.events import KVEventPublisher
     from pagedkv.simulate.simulation import SimulationConfig
+    from pagedkv.simulate.trace import Request
 
 T = TypeVar("T")
 
@@ -26,34 +28,53 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _checked(
+    convert: Callable[[str], T], ok: Callable[[T], bool], expected: str
+) -> Callable[[str], T]:
+    """An argparse type: `convert(text)`, refused with "expected ..." unless `ok` holds."""
+
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_seed = _checked(int, lambda v: v >= 0, "a non-negative integer")
+_rate = _checked(float, lambda v: v > 0, "a positive rate or 'inf'")  # `not nan > 0`
+_fraction = _checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+_seconds = _checked(float, lambda v: 0 < v < math.inf, "a positive number of seconds")
+_MAX_SWEEP_RATES = 200
 
 
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"expected a positive rate or 'inf', got {text!r}")
-    return value
+def parse_rates(text: str) -> list[float]:
+    """Ascending request rates from `START:STOP:STEP` (STOP included) or a list `1,2,4`."""
+    finite = _checked(float, lambda v: 0 < v < math.inf, "a positive finite rate")
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) != 3:
+            raise argparse.ArgumentTypeError(f"expected START:STOP:STEP, got {text!r}")
+        start, stop, step = (finite(p) for p in parts)
+        if stop < start:
+            raise argparse.ArgumentTypeError(f"STOP is below START in {text!r}")
+        count = math.floor((stop - start) / step + 1e-9) + 1
+        if count > _MAX_SWEEP_RATES:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} makes {count} rates, more than {_MAX_SWEEP_RATES}: raise STEP"
+            )
+        return [round(start + i * step, 12) for i in range(count)]
+    rates = sorted({finite(p) for p in text.split(",") if p.strip()})
+    if not rates:
+        raise argparse.ArgumentTypeError("no rate given")
+    if len(rates) > _MAX_SWEEP_RATES:
+        raise argparse.ArgumentTypeError(f"more than {_MAX_SWEEP_RATES} rates")
+    return rates
 
 
 # Token slots one block manager addresses: slot ids are int32.
@@ -94,21 +115,19 @@ def _named(table: Mapping[str, T], what: str) -> Callable[[str], str]:
 
 
 def _systems(text: str) -> tuple[str, ...]:
-    from pagedkv.simulate.simulation import SYSTEMS
-
-    keys = tuple(k.strip() for k in text.split(",") if k.strip())
-    for key in keys:
-        if key not in SYSTEMS:
-            raise argparse.ArgumentTypeError(
-                f"unknown system {key!r} (choose from {', '.join(SYSTEMS)})"
-            )
-    if not keys:
-        raise argparse.ArgumentTypeError("no system given")
-    return keys
+    """Comma-separated system keys; SimulationConfig checks them."""
+    return tuple(k.strip() for k in text.split(",") if k.strip())
 
 
 def _simulate_epilog() -> str:
+    from pagedkv.simulate.metrics import MEMORY_PARTS
     from pagedkv.simulate.presets import GPUS, MODELS, TRACES
+    from pagedkv.simulate.timing import (
+        DECODE_BANDWIDTH_FRACTION,
+        DECODE_BANDWIDTH_SOURCE,
+        PREFILL_FLOP_FRACTION,
+        PREFILL_FLOP_SOURCE,
+    )
 
     lines = ["trace presets (synthetic, seeded, with these mean lengths in tokens):"]
     for t in TRACES.values():
@@ -139,17 +158,38 @@ def _simulate_epilog() -> str:
         "paper's Orca baselines; each region rounds up to a power of two) or first-fit.",
         "",
         "memory composition (vLLM paper, Fig. 2), shares of the KV memory averaged per step:",
-        "  tokens    slots holding a stored token's KV",
-        "  reserved  empty slots held for a running request's future tokens",
-        "  internal  empty slots held that the request will never fill (over-reservation,",
-        "            a buddy block's rounding, the tail of a last block)",
-        "  external  slots held by no request: gaps, free or cached blocks",
+        *(
+            line
+            for p in MEMORY_PARTS
+            for line in textwrap.wrap(
+                f"  {p.label:<9} {p.definition}", width=88, subsequent_indent=" " * 12
+            )
+        ),
         "Steps are measured until the last request is admitted (--include-drain: all).",
         "When the paged system cannot store a step's tokens it preempts the latest request,",
         "which is recomputed later (vLLM's policy); contiguous systems never need to.",
-        "Decode throughput: tokens generated per step over the step's decode time,",
-        "(weights + KV bytes read) / memory bandwidth. The simulated clock also adds",
-        "2 x parameters FLOPs per prompt token / peak FLOP/s; several GPUs add up ideally.",
+        "Step time: decode reads the weights and the batch's KV once, (weights + KV bytes) /",
+        "(peak bandwidth x --decode-bandwidth-fraction); prompt tokens add 2 x parameters",
+        "FLOPs each / (peak FLOP/s x --prefill-flop-fraction). Several GPUs add up ideally.",
+        "Decode throughput (tok/s): tokens generated per step over the step's decode time.",
+        "Default fractions are published measurements (1.0 models ideal hardware):",
+        *textwrap.wrap(
+            f"decode {DECODE_BANDWIDTH_FRACTION:.3f}: {DECODE_BANDWIDTH_SOURCE}",
+            width=88,
+            initial_indent="  ",
+            subsequent_indent="    ",
+        ),
+        *textwrap.wrap(
+            f"prefill {PREFILL_FLOP_FRACTION:.2f}: {PREFILL_FLOP_SOURCE}",
+            width=88,
+            initial_indent="  ",
+            subsequent_indent="    ",
+        ),
+        "",
+        "--sweep-rate runs every system at every rate on the same seeded trace (the same",
+        "lengths, Poisson arrivals at each rate) and prints normalized latency, the mean over",
+        "requests of (finish - arrival) / output tokens (vLLM paper, Fig. 12), and the highest",
+        "swept rate up to which each system's latency stays within --latency-bound.",
         "",
         "JSONL trace: one object per line with prompt_len, output_len (positive integers),",
         "optional prefix_id (requests with one id share that prefix) and prefix_len (default:",
@@ -161,6 +201,8 @@ def _simulate_epilog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The `pagedkv` argument parser."""
     from pagedkv.simulate.presets import GPUS, MODELS
+    from pagedkv.simulate.sweep import DEFAULT_LATENCY_BOUND
+    from pagedkv.simulate.timing import DECODE_BANDWIDTH_FRACTION, PREFILL_FLOP_FRACTION
 
     parser = _Parser(prog="pagedkv", description="pagedkv: paged KV-cache memory for LLM serving")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -188,12 +230,28 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: all)",
     )
     sim.add_argument("--seed", type=_seed, default=0, help="seed of the synthetic trace (0)")
-    sim.add_argument(
+    arrivals = sim.add_mutually_exclusive_group()
+    arrivals.add_argument(
         "--rate",
         type=_rate,
         default=math.inf,
         help="Poisson arrival rate in requests/s when the trace has no arrival times "
         "(default inf: all requests wait at t=0, the memory-bound regime)",
+    )
+    arrivals.add_argument(
+        "--sweep-rate",
+        type=parse_rates,
+        metavar="START:STOP:STEP|R1,R2,...",
+        help="run at each of these rates (req/s; STOP included) and print latency per output "
+        "token against rate and the rate each system sustains, e.g. 0.25:3:0.25",
+    )
+    sim.add_argument(
+        "--latency-bound",
+        type=_seconds,
+        metavar="SECONDS",
+        help="with --sweep-rate: the normalized latency (s per output token) a system must "
+        f"stay within to sustain a rate (default {DEFAULT_LATENCY_BOUND:g}: 5 tokens/s, "
+        "about reading speed)",
     )
     sim.add_argument(
         "--model", type=_named(MODELS, "model"), default="OPT-13B", help="(default OPT-13B)"
@@ -233,12 +291,34 @@ def build_parser() -> argparse.ArgumentParser:
         "baselines) or first-fit (exact sizes, no rounding) (default buddy)",
     )
     sim.add_argument(
+        "--decode-bandwidth-fraction",
+        type=_fraction,
+        default=DECODE_BANDWIDTH_FRACTION,
+        metavar="F",
+        help="share of peak memory bandwidth that decode achieves "
+        f"(default {DECODE_BANDWIDTH_FRACTION:.3f}, measured by gpt-fast; 1.0: ideal)",
+    )
+    sim.add_argument(
+        "--prefill-flop-fraction",
+        type=_fraction,
+        default=PREFILL_FLOP_FRACTION,
+        metavar="F",
+        help="share of peak FLOP/s that prefill achieves "
+        f"(default {PREFILL_FLOP_FRACTION:g}, Pope et al. 2023; 1.0: ideal)",
+    )
+    sim.add_argument(
         "--include-drain",
         action="store_true",
         help="also measure the steps after the last admission",
     )
     sim.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    sim.add_argument("--plot", type=Path, metavar="FILE.png", help="write a PNG plot")
+    sim.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="write a PNG plot: the memory composition, or with --sweep-rate latency and "
+        "batch size against rate",
+    )
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     events = sim.add_argument_group(
         "KV events (the paged system's, live, for KV-aware routers; needs pagedkv[events])"
@@ -272,78 +352,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from pagedkv.simulate.presets import GPUS, MODELS, TRACES, default_kv_memory
     from pagedkv.simulate.progress import ProgressBar
-    from pagedkv.simulate.report import format_json, format_table
-    from pagedkv.simulate.simulation import SYSTEMS, SimulationConfig, simulate
-    from pagedkv.simulate.trace import load_jsonl, synthetic_trace
+    from pagedkv.simulate.report import format_json, format_sweep_table, format_table
+    from pagedkv.simulate.simulation import SimulationResult, simulate
+    from pagedkv.simulate.sweep import DEFAULT_LATENCY_BOUND, SweepResult, sweep
 
-    model = MODELS[args.model]
-    gpu = GPUS[args.gpu]
-    max_len = args.max_len if args.max_len is not None else model.max_len
-    if args.plot is not None:  # fail before a long run, not after it
-        if args.plot.suffix.lower() != ".png":
-            raise _UsageError(f"--plot writes PNG: give a .png file name, got {str(args.plot)!r}")
-        if not args.plot.parent.is_dir():
-            raise _UsageError(
-                f"cannot write plot {str(args.plot)!r}: no directory {str(args.plot.parent)!r}"
-            )
-        if importlib.util.find_spec("matplotlib") is None:
-            raise _UsageError("--plot needs matplotlib: pip install 'pagedkv[sim]'")
-    kv_memory = args.kv_memory
-    if kv_memory is None:
-        kv_memory = default_kv_memory(model, gpu, args.gpus)
-    slots = kv_memory // model.kv_bytes_per_token
-    if slots > _MAX_SLOTS and "paged" in (args.systems or SYSTEMS):
-        raise _UsageError(
-            f"KV memory of {kv_memory} bytes holds {slots} token slots of {model.name}; the "
-            f"block manager addresses at most {_MAX_SLOTS} (int32 slots): lower --kv-memory"
-        )
-    config = SimulationConfig(
-        model=model,
-        gpu=gpu,
-        kv_memory=kv_memory,
-        block_size=args.block_size,
-        max_len=max_len,
-        n=args.n,
-        beam_width=args.beam_width,
-        num_gpus=args.gpus,
-        seed=args.seed,
-        include_drain=args.include_drain,
-        systems=args.systems or tuple(SYSTEMS),
-        allocator=args.allocator,
-    )
-    preset = TRACES.get(args.trace.lower())
-    if preset is not None:
-        trace = synthetic_trace(
-            preset, args.num_requests or 1000, max_len=max_len, rate=args.rate, seed=args.seed
-        )
-        name = preset.name
-    elif args.trace.lower().endswith(".jsonl") or Path(args.trace).exists():
-        trace = load_jsonl(Path(args.trace), max_len=max_len, rate=args.rate, seed=args.seed)
-        trace = trace[: args.num_requests] if args.num_requests else trace
-        name = args.trace
-    else:
-        raise _UsageError(
-            f"unknown trace {args.trace!r}: not a preset ({', '.join(TRACES)}) nor a .jsonl file"
-        )
-
+    _check_plot_path(args.plot)
+    sweeping = args.sweep_rate is not None
+    if args.latency_bound is not None and not sweeping:
+        raise _UsageError("--latency-bound goes with --sweep-rate")
+    if sweeping and args.kv_events is not None:
+        raise _UsageError("--kv-events publishes one run's events: it cannot go with --sweep-rate")
+    config = _simulation_config(args)
+    trace_at, name, num_requests = _trace_source(args, config.max_len, sweeping)
+    rates = args.sweep_rate if sweeping else [args.rate]
     publisher = _kv_event_publisher(args, config)
-    show = not args.quiet and sys.stderr.isatty()
-    bars: list[ProgressBar] = []
+    # One bar over every run: each finished request of each system at each rate counts once.
+    bar = ProgressBar(
+        "",
+        len(rates) * len(config.systems) * num_requests,
+        sys.stderr,
+        enabled=not args.quiet and sys.stderr.isatty(),
+    )
 
     def progress(label: str) -> Callable[[int], None]:
-        if bars:
-            bars[-1].close()
-        bars.append(ProgressBar(label, len(trace), sys.stderr, enabled=show))
-        return bars[-1].update
+        bar.label = label
+        return bar.update
 
+    result: SimulationResult | SweepResult
     try:
-        sink = publisher.publish_from if publisher is not None else None
-        result = simulate(trace, config, trace_name=name, on_finish=progress, event_sink=sink)
+        if sweeping:
+            bound = args.latency_bound or DEFAULT_LATENCY_BOUND
+            result = sweep(
+                trace_at, rates, config, trace_name=name, latency_bound=bound, on_finish=progress
+            )
+        else:
+            sink = publisher.publish_from if publisher is not None else None
+            result = simulate(
+                trace_at(args.rate), config, trace_name=name, on_finish=progress, event_sink=sink
+            )
     finally:
-        if bars:
-            bars[-1].close()
+        bar.close()
         if publisher is not None:
             publisher.close()
             print(
@@ -351,7 +400,14 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 f"{publisher.dropped} dropped",
                 file=sys.stderr,
             )
-    print(format_json(result) if args.json else format_table(result))
+    if args.json:
+        print(format_json(result))
+    else:
+        print(
+            format_table(result)
+            if isinstance(result, SimulationResult)
+            else format_sweep_table(result)
+        )
     if args.plot is not None:
         from pagedkv.simulate.plot import write_plot
 
@@ -362,6 +418,89 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _check_plot_path(plot: Path | None) -> None:
+    """Refuse a plot that cannot be written before a long run, not after it."""
+    if plot is None:
+        return
+    if plot.suffix.lower() != ".png":
+        raise _UsageError(f"--plot writes PNG: give a .png file name, got {str(plot)!r}")
+    if not plot.parent.is_dir():
+        raise _UsageError(f"cannot write plot {str(plot)!r}: no directory {str(plot.parent)!r}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise _UsageError("--plot needs matplotlib: pip install 'pagedkv[sim]'")
+
+
+def _simulation_config(args: argparse.Namespace) -> SimulationConfig:
+    """The settings the arguments give, with the defaults that depend on model and GPU."""
+    from pagedkv.simulate.presets import GPUS, MODELS, default_kv_memory
+    from pagedkv.simulate.simulation import SYSTEMS, SimulationConfig
+
+    model = MODELS[args.model]
+    gpu = GPUS[args.gpu]
+    kv_memory = args.kv_memory
+    if kv_memory is None:
+        kv_memory = default_kv_memory(model, gpu, args.gpus)
+    systems = args.systems if args.systems is not None else tuple(SYSTEMS)
+    slots = kv_memory // model.kv_bytes_per_token
+    if slots > _MAX_SLOTS and "paged" in systems:
+        raise _UsageError(
+            f"KV memory of {kv_memory} bytes holds {slots} token slots of {model.name}; the "
+            f"block manager addresses at most {_MAX_SLOTS} (int32 slots): lower --kv-memory"
+        )
+    return SimulationConfig(
+        model=model,
+        gpu=gpu,
+        kv_memory=kv_memory,
+        block_size=args.block_size,
+        max_len=args.max_len if args.max_len is not None else model.max_len,
+        n=args.n,
+        beam_width=args.beam_width,
+        num_gpus=args.gpus,
+        seed=args.seed,
+        include_drain=args.include_drain,
+        systems=systems,
+        allocator=args.allocator,
+        bandwidth_fraction=args.decode_bandwidth_fraction,
+        flop_fraction=args.prefill_flop_fraction,
+    )
+
+
+def _trace_source(
+    args: argparse.Namespace, max_len: int, sweeping: bool
+) -> tuple[Callable[[float], list[Request]], str, int]:
+    """The trace at a given arrival rate, its name, and its number of requests."""
+    from pagedkv.simulate.presets import TRACES
+    from pagedkv.simulate.trace import load_jsonl, synthetic_trace, with_poisson_arrivals
+
+    preset = TRACES.get(args.trace.lower())
+    if preset is not None:
+        count = args.num_requests or 1000
+
+        def synthetic(rate: float) -> list[Request]:
+            return synthetic_trace(preset, count, max_len=max_len, rate=rate, seed=args.seed)
+
+        return synthetic, preset.name, count
+    if not (args.trace.lower().endswith(".jsonl") or Path(args.trace).exists()):
+        raise _UsageError(
+            f"unknown trace {args.trace!r}: not a preset ({', '.join(TRACES)}) nor a .jsonl file"
+        )
+    # In file order; arrivals all 0 unless the file gives them.
+    base = load_jsonl(Path(args.trace), max_len=max_len, rate=math.inf, seed=args.seed)
+    if sweeping and any(r.arrival > 0 for r in base):
+        raise _UsageError(
+            f"{args.trace} gives arrival times: --sweep-rate draws its own, give a trace "
+            "without them"
+        )
+    has_arrivals = any(r.arrival > 0 for r in base)
+    end = args.num_requests or len(base)
+
+    def from_file(rate: float) -> list[Request]:
+        trace = base if has_arrivals else with_poisson_arrivals(base, rate, args.seed)
+        return trace[:end]
+
+    return from_file, args.trace, min(end, len(base))
 
 
 def _kv_event_publisher(

@@ -1,14 +1,8 @@
 """Memory composition per step and the per-system summary averaged over the measured window.
 
-The four parts follow Figure 2 of the vLLM paper (Kwon et al., SOSP 2023), counted in token
-slots of the KV memory (one slot holds one token's K and V for every layer):
-
-- token states: slots holding a stored token's KV (a physical slot counts once when shared);
-- reserved: empty slots held by a running request that its future tokens will fill;
-- internal fragmentation: empty slots held by a request that it will never fill (a
-  reservation beyond the true final length, or the tail of a block past the final token);
-- external fragmentation / unused: slots held by no running request (free gaps between
-  contiguous regions, free or cached blocks).
+The four parts of the KV memory (`MEMORY_PARTS`) follow Figure 2 of the vLLM paper (Kwon et
+al., SOSP 2023), counted in token slots of the KV memory (one slot holds one token's K and V
+for every layer). Reports, the plot and `--help` all describe them from `MEMORY_PARTS`.
 """
 
 from __future__ import annotations
@@ -17,6 +11,45 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+
+
+@dataclass(frozen=True)
+class MemoryPart:
+    """One of the four parts the KV memory's slots fall into at each step."""
+
+    key: str  # the field of `Composition` and `StepLog`; `SystemMetrics` has `<key>_share`
+    label: str  # short, for table columns
+    title: str  # long, for the plot's legend
+    definition: str
+
+
+MEMORY_PARTS = (
+    MemoryPart(
+        "token",
+        "tokens",
+        "token states",
+        "slots holding a stored token's KV (a slot shared by several sequences counts once)",
+    ),
+    MemoryPart(
+        "reserved",
+        "reserved",
+        "reserved",
+        "empty slots held by a running request that its future tokens will fill",
+    ),
+    MemoryPart(
+        "internal",
+        "internal",
+        "internal fragmentation",
+        "empty slots held that the request will never fill (a reservation beyond the final "
+        "length, a buddy block's rounding, the tail of a last block past the final token)",
+    ),
+    MemoryPart(
+        "external",
+        "external",
+        "external fragmentation / unused",
+        "slots held by no running request (gaps between contiguous regions, free or cached blocks)",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -112,6 +145,11 @@ class SystemMetrics:
     series_token: npt.NDArray[np.int64] = field(repr=False, compare=False)  # slots per step
     series_held: npt.NDArray[np.int64] = field(repr=False, compare=False)
 
+    def share(self, part: MemoryPart) -> float:
+        """The mean share of the KV memory in `part`."""
+        share: float = getattr(self, f"{part.key}_share")
+        return share
+
     def as_dict(self) -> dict[str, float | int | str]:
         """The scalar results, for JSON."""
         return {
@@ -148,20 +186,15 @@ def summarize(
     n = log.window(include_drain)
     if n == 0:
         raise ValueError(f"{name}: no step to measure (empty trace?)")
-    token = np.asarray(log.token[:n], dtype=np.float64)
-    reserved = np.asarray(log.reserved[:n], dtype=np.float64)
-    internal = np.asarray(log.internal[:n], dtype=np.float64)
-    external = np.asarray(log.external[:n], dtype=np.float64)
-    held = token + reserved + internal
+    slots = {p.key: np.asarray(getattr(log, p.key)[:n], dtype=np.float64) for p in MEMORY_PARTS}
+    token = slots["token"]
+    held = token + slots["reserved"] + slots["internal"]
     logical = float(np.sum(log.logical[:n]))
     seconds = float(np.sum(log.decode_seconds[:n]))
     return SystemMetrics(
         name=name,
         capacity=capacity,
-        token_share=float(token.mean()) / capacity,
-        reserved_share=float(reserved.mean()) / capacity,
-        internal_share=float(internal.mean()) / capacity,
-        external_share=float(external.mean()) / capacity,
+        **{f"{key}_share": float(part.mean()) / capacity for key, part in slots.items()},
         held_token_share=float(token.sum() / held.sum()) if held.sum() > 0 else 0.0,
         mean_seqs=float(np.mean(log.seqs[:n])),
         peak_seqs=int(np.max(log.seqs[:n])),

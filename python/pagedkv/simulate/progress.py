@@ -7,10 +7,13 @@ from typing import TextIO
 
 
 class ProgressBar:
-    """`label [#####-----] done/total`, redrawn at most ten times a second."""
+    """`label [#####-----] done/total`, redrawn at most ten times a second.
+
+    `label` may change as the work goes on (say, which run of a sweep is under way).
+    """
 
     def __init__(self, label: str, total: int, stream: TextIO, *, enabled: bool) -> None:
-        self._label = label
+        self.label = label
         self._total = max(total, 1)
         self._stream = stream
         self._enabled = enabled
@@ -25,11 +28,9 @@ class ProgressBar:
         if self._enabled and (now - self._drawn_at >= 0.1 or self._done >= self._total):
             self._drawn_at = now
             filled = 30 * min(self._done, self._total) // self._total
-            text = (
-                f"\r{self._label} [{'#' * filled}{'-' * (30 - filled)}] {self._done}/{self._total}"
-            )
+            text = f"{self.label} [{'#' * filled}{'-' * (30 - filled)}] {self._done}/{self._total}"
             self._width = max(self._width, len(text))
-            self._stream.write(text)
+            self._stream.write("\r" + text.ljust(self._width))  # covers a longer old label
             self._stream.flush()
 
     def close(self) -> None:

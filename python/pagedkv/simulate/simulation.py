@@ -21,7 +21,11 @@ from pagedkv.simulate.errors import ConfigError
 from pagedkv.simulate.metrics import SystemMetrics
 from pagedkv.simulate.paged import EventSink, PagedSystem
 from pagedkv.simulate.presets import GpuPreset, ModelPreset
-from pagedkv.simulate.timing import StepTimeModel
+from pagedkv.simulate.timing import (
+    DECODE_BANDWIDTH_FRACTION,
+    PREFILL_FLOP_FRACTION,
+    StepTimeModel,
+)
 from pagedkv.simulate.trace import Request
 
 # System key -> the label shown in reports.
@@ -55,6 +59,9 @@ class SimulationConfig:
     watermark: float = 0.01
     systems: tuple[str, ...] = tuple(SYSTEMS)
     allocator: str = "buddy"  # places contiguous regions: "buddy" (the paper's) or "first-fit"
+    bandwidth_fraction: float = DECODE_BANDWIDTH_FRACTION  # of peak bandwidth, in decode
+    flop_fraction: float = PREFILL_FLOP_FRACTION  # of peak FLOP/s, in prefill
+    timing: StepTimeModel = field(init=False, repr=False, compare=False)  # from the above
 
     def __post_init__(self) -> None:
         if self.max_len == 0:
@@ -84,6 +91,15 @@ class SimulationConfig:
         for key in self.systems:
             if key not in SYSTEMS:
                 raise ConfigError(f"unknown system {key!r} (choose from {', '.join(SYSTEMS)})")
+        # Built once here, so that its efficiency checks run with the others.
+        timing = StepTimeModel.for_hardware(
+            self.model,
+            self.gpu,
+            self.num_gpus,
+            bandwidth_fraction=self.bandwidth_fraction,
+            flop_fraction=self.flop_fraction,
+        )
+        object.__setattr__(self, "timing", timing)
         if self.num_blocks < 1:
             raise ConfigError(
                 f"KV memory of {self.kv_memory} bytes holds no block of {self.block_size} "
@@ -110,10 +126,37 @@ class SimulationConfig:
         """Token slots of the KV memory, the same for every system (whole blocks)."""
         return self.num_blocks * self.block_size
 
-    @property
-    def timing(self) -> StepTimeModel:
-        """The step-time model for this model and hardware."""
-        return StepTimeModel.for_hardware(self.model, self.gpu, self.num_gpus)
+    def as_dict(self) -> dict[str, object]:
+        """The settings, for JSON."""
+        return {
+            "model": self.model.name,
+            "gpu": self.gpu.name,
+            "num_gpus": self.num_gpus,
+            "kv_memory_bytes": self.kv_memory,
+            "kv_bytes_per_token": self.model.kv_bytes_per_token,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "capacity_slots": self.capacity,
+            "max_len": self.max_len,
+            "n": self.n,
+            "beam_width": self.beam_width,
+            "seed": self.seed,
+            "include_drain": self.include_drain,
+            "watermark": self.watermark,
+            "allocator": self.allocator,
+            "decode_bandwidth_fraction": self.bandwidth_fraction,
+            "prefill_flop_fraction": self.flop_fraction,
+        }
+
+
+def trace_summary(trace: Sequence[Request], name: str) -> dict[str, object]:
+    """The trace's name, size and mean lengths, for JSON."""
+    return {
+        "name": name,
+        "requests": len(trace),
+        "mean_prompt_len": float(np.mean([r.prompt_len for r in trace])),
+        "mean_output_len": float(np.mean([r.output_len for r in trace])),
+    }
 
 
 @dataclass(frozen=True)
@@ -127,31 +170,9 @@ class SimulationResult:
 
     def as_dict(self) -> dict[str, object]:
         """Settings, trace summary and per-system scalars, for JSON."""
-        c = self.config
         return {
-            "trace": {
-                "name": self.trace_name,
-                "requests": len(self.trace),
-                "mean_prompt_len": float(np.mean([r.prompt_len for r in self.trace])),
-                "mean_output_len": float(np.mean([r.output_len for r in self.trace])),
-            },
-            "config": {
-                "model": c.model.name,
-                "gpu": c.gpu.name,
-                "num_gpus": c.num_gpus,
-                "kv_memory_bytes": c.kv_memory,
-                "kv_bytes_per_token": c.model.kv_bytes_per_token,
-                "block_size": c.block_size,
-                "num_blocks": c.num_blocks,
-                "capacity_slots": c.capacity,
-                "max_len": c.max_len,
-                "n": c.n,
-                "beam_width": c.beam_width,
-                "seed": c.seed,
-                "include_drain": c.include_drain,
-                "watermark": c.watermark,
-                "allocator": c.allocator,
-            },
+            "trace": trace_summary(self.trace, self.trace_name),
+            "config": self.config.as_dict(),
             "systems": [m.as_dict() for m in self.systems],
         }
 

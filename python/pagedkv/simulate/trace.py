@@ -193,12 +193,17 @@ def parse_jsonl(
             "give it on every line or on none"
         )
     if with_arrival == 0:
-        arrivals = poisson_arrivals(len(requests), rate, np.random.default_rng(seed))
-        requests = [
-            Request(r.prompt_len, r.output_len, a, r.prefix_id, r.prefix_len)
-            for r, a in zip(requests, arrivals, strict=True)
-        ]
+        return with_poisson_arrivals(requests, rate, seed)
     return sorted(requests, key=lambda r: r.arrival)  # stable: ties keep file order
+
+
+def with_poisson_arrivals(requests: Sequence[Request], rate: float, seed: int) -> list[Request]:
+    """`requests` in their order, arriving as a seeded Poisson process of `rate` requests/s."""
+    arrivals = poisson_arrivals(len(requests), rate, np.random.default_rng(seed))
+    return [
+        Request(r.prompt_len, r.output_len, a, r.prefix_id, r.prefix_len)
+        for r, a in zip(requests, arrivals, strict=True)
+    ]
 
 
 def load_jsonl(path: Path, *, max_len: int, rate: float, seed: int) -> list[Request]:
