@@ -606,7 +606,7 @@ def test_paper_setting_sharegpt_opt13b_12gb() -> None:
     assert paged_m.mean_seqs >= 4 * max_m.mean_seqs
     assert oracle_m.mean_seqs > pow2_m.mean_seqs > max_m.mean_seqs
     # Exact-size first-fit placement is a stronger baseline than the buddy system; paging
-    # still wins, by less (about 1.9x here; see .notes/readme_simulate.md).
+    # still wins, by less (about 1.9x here; see the README, "Against the paper").
     first_fit = simulate(trace, config(systems=("oracle",), allocator="first-fit"))
     assert first_fit.systems[0].mean_seqs > oracle_m.mean_seqs
     assert paged_m.mean_seqs >= 1.75 * first_fit.systems[0].mean_seqs
