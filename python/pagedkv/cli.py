@@ -47,20 +47,20 @@ def _checked(
 
 _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 _seed = _checked(int, lambda v: v >= 0, "a non-negative integer")
-_rate = _checked(float, lambda v: v > 0, "a positive rate or 'inf'")  # `not nan > 0`
+_rate = _checked(float, lambda v: v > 0, "a positive rate or 'inf'")  # nan fails too
 _fraction = _checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 _seconds = _checked(float, lambda v: 0 < v < math.inf, "a positive number of seconds")
+_finite_rate = _checked(float, lambda v: 0 < v < math.inf, "a positive finite rate")
 _MAX_SWEEP_RATES = 200
 
 
 def parse_rates(text: str) -> list[float]:
     """Ascending request rates from `START:STOP:STEP` (STOP included) or a list `1,2,4`."""
-    finite = _checked(float, lambda v: 0 < v < math.inf, "a positive finite rate")
     if ":" in text:
         parts = text.split(":")
         if len(parts) != 3:
             raise argparse.ArgumentTypeError(f"expected START:STOP:STEP, got {text!r}")
-        start, stop, step = (finite(p) for p in parts)
+        start, stop, step = (_finite_rate(p) for p in parts)
         if stop < start:
             raise argparse.ArgumentTypeError(f"STOP is below START in {text!r}")
         count = math.floor((stop - start) / step + 1e-9) + 1
@@ -69,7 +69,7 @@ def parse_rates(text: str) -> list[float]:
                 f"{text!r} makes {count} rates, more than {_MAX_SWEEP_RATES}: raise STEP"
             )
         return [round(start + i * step, 12) for i in range(count)]
-    rates = sorted({finite(p) for p in text.split(",") if p.strip()})
+    rates = sorted({_finite_rate(p) for p in text.split(",") if p.strip()})
     if not rates:
         raise argparse.ArgumentTypeError("no rate given")
     if len(rates) > _MAX_SWEEP_RATES:
