@@ -161,6 +161,7 @@ def test_help_names_sources_and_definitions(capsys: pytest.CaptureFixture[str]) 
     code, out, _ = run_cli(capsys, "simulate", "--help")
     assert code == 0
     assert "SOSP 2023" in out and "Splitwise" in out and "facebook/opt-13b" in out
+    assert "gpt-fast" in out and "Pope et al." in out  # the step-time defaults' sources
     assert "internal" in out and "reserved" in out and "external" in out
 
 

@@ -9,15 +9,24 @@ Example:
     >>> result = simulate(trace, config, trace_name="alpaca")
     >>> [m.name for m in result.systems]
     ['paged (pagedkv)', 'contiguous max', 'contiguous pow2', 'contiguous oracle']
+
+Latency against request rate, every system on the same requests at each rate:
+    >>> def at(rate):
+    ...     return synthetic_trace(TRACES["alpaca"], 50, max_len=config.max_len, rate=rate, seed=0)
+    >>> swept = sweep(at, [10.0, 20.0], config)
+    >>> swept.rates, swept.sustained(0).rate  # paged: within the bound at both
+    ([10.0, 20.0], 20.0)
 """
 
 from pagedkv.simulate.errors import ConfigError, SimulationError, TraceError
 from pagedkv.simulate.metrics import Composition, SystemMetrics
 from pagedkv.simulate.presets import GPUS, MODELS, TRACES, GpuPreset, ModelPreset, TracePreset
 from pagedkv.simulate.simulation import SYSTEMS, SimulationConfig, SimulationResult, simulate
+from pagedkv.simulate.sweep import DEFAULT_LATENCY_BOUND, SweepResult, sweep
 from pagedkv.simulate.trace import Request, load_jsonl, parse_jsonl, synthetic_trace
 
 __all__ = [
+    "DEFAULT_LATENCY_BOUND",
     "GPUS",
     "MODELS",
     "SYSTEMS",
@@ -30,11 +39,13 @@ __all__ = [
     "SimulationConfig",
     "SimulationError",
     "SimulationResult",
+    "SweepResult",
     "SystemMetrics",
     "TraceError",
     "TracePreset",
     "load_jsonl",
     "parse_jsonl",
     "simulate",
+    "sweep",
     "synthetic_trace",
 ]
