@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from reference_manager import PLAN_ARRAYS, STATS_FIELDS
+from api_fields import PLAN_ARRAYS, STATS_FIELDS
 
 from pagedkv import BlockManager, OutOfBlocks
 
