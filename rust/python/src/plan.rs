@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use numpy::ndarray::{Array2, ArrayViewMut1, ArrayViewMut2};
 use numpy::{IntoPyArray, PyArray1, PyArray2};
-use pyo3::exceptions::PyMemoryError;
+use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 
 use pagedkv as core;
@@ -132,6 +132,27 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// The views are writable: before reading pages through `kv_indptr`, check that it still
+    /// starts at 0, never decreases and stays within `kv_indices`.
+    fn check_csr(&self) -> PyResult<()> {
+        let indptr = &self.raw.kv_indptr;
+        let csr = indptr.first().is_none_or(|&first| first == 0)
+            && indptr.windows(2).all(|w| w[0] <= w[1])
+            && indptr
+                .last()
+                .is_none_or(|&last| last as usize <= self.raw.kv_indices.len());
+        if csr {
+            return Ok(());
+        }
+        Err(PyValueError::new_err(format!(
+            "plan.block_tables: kv_indptr was written through its view and no longer indexes \
+             kv_indices (it must start at 0, never decrease and end at most at {})",
+            self.raw.kv_indices.len()
+        )))
+    }
+}
+
 impl Drop for Plan {
     fn drop(&mut self) {
         let raw = std::mem::take(&mut self.raw);
@@ -175,9 +196,11 @@ impl Plan {
         Plan::array(this, Field::Positions)
     }
     /// `[B, max_blocks]` int32 block tables padded with -1, built from the pages on each access
-    /// (a new array, not a view); MemoryError when it does not fit.
+    /// (a new array, not a view); MemoryError when it does not fit, ValueError when a write
+    /// into the `kv_indptr` view broke the CSR.
     #[getter]
     fn block_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        self.check_csr()?;
         let (rows, cols) = (self.batch_size, self.raw.max_blocks());
         let tables = self.raw.block_tables().map_err(|_| {
             PyMemoryError::new_err(format!(
