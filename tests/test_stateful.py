@@ -5,8 +5,9 @@ checks the layer above them, with no model of its own: two managers with the sam
 same operations, one with plain lists and ints, the other with the same values as tuples, numpy
 arrays and scalars of every integer dtype that holds them, and `__index__` objects; they must
 agree on every result, error and event (conversions). Some calls get a bad argument, the same
-for both: each must raise ValueError with the same message. Every failed call, bad argument or
-refused operation, must leave both managers exactly as they were (errors). Plans and their
+for both: each must raise ValueError with the same message. A call refused for its arguments must
+leave both managers exactly as they were (errors; one refused for lack of blocks keeps the
+auto-commit it ran first, as SEMANTICS.md says). Plans and their
 numpy views are kept alive at random, sometimes only a view without its plan: a live view must
 never change however many later plans reuse the recycled buffers, and writing into one view
 must not reach any other plan (numpy views, lifetimes).
@@ -124,7 +125,9 @@ class BindingMachine(RuleBasedStateMachine):
         num_cpu_blocks=st.sampled_from([32, 32, 0]),
         auto_commit=st.booleans(),
     )
-    def setup(self, num_blocks: int, block_size: int, num_cpu_blocks: int, auto_commit: bool):
+    def setup(
+        self, num_blocks: int, block_size: int, num_cpu_blocks: int, auto_commit: bool
+    ) -> None:
         kwargs: dict[str, Any] = {
             "num_cpu_blocks": num_cpu_blocks,
             "hash_key": KEY,
