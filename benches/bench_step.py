@@ -1,4 +1,4 @@
-"""Continuous-batching decode loop: pagedkv.BlockManager against the Python reference manager.
+"""Continuous-batching decode loop: pagedkv.BlockManager against a pure-Python block manager.
 
 Both managers serve the same seeded, ShareGPT-like trace in the same run: admission with a
 prefix lookup (can_allocate, then allocate, then the prefill's plan), one decode token per
@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reference_manager import ReferenceBlockManager
+from python_baseline import PythonBlockManager
 
 from pagedkv import BlockManager, OutOfBlocks
 
@@ -195,13 +195,13 @@ def main() -> int:
         f"max running {args.max_running}"
     )
     results = {}
-    for name, cls in (("pagedkv", BlockManager), ("reference", ReferenceBlockManager)):
+    for name, cls in (("pagedkv", BlockManager), ("python", PythonBlockManager)):
         gc.collect()
         mgr = cls(args.num_blocks, args.block_size, hash_key=bytes(32))
         results[name] = serve(mgr, trace, args.max_running)
         mgr.check()
         report(name, results[name])
-    fast, ref = results["pagedkv"], results["reference"]
+    fast, ref = results["pagedkv"], results["python"]
     same = ("hit_tokens", "query_tokens", "steps", "decode_tokens", "preemptions", "digest")
     for field in same:
         assert getattr(fast, field) == getattr(ref, field), (

@@ -7,44 +7,31 @@
 //! Bookkeeping that keeps lengths bounded (freeing and re-admitting sequences) runs outside the
 //! timed part, through `iter_custom`.
 
+#[path = "support/splitmix64.rs"]
+mod splitmix64;
+#[path = "support/timing.rs"]
+mod timing;
+
 use std::hint::black_box;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
+use splitmix64::SplitMix64;
+use timing::{mean_ns, record};
 
 const BLOCK_SIZE: u32 = 16;
 
-/// Every timed run criterion made: (benchmark, elapsed, iterations), for the summary at the end.
-static RUNS: Mutex<Vec<(&str, Duration, u64)>> = Mutex::new(Vec::new());
-
-fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
-    RUNS.lock().unwrap().push((name, elapsed, iters));
-    elapsed
-}
-
-/// Nanoseconds per iteration of `name` over all criterion's runs of it (most of the time is in
-/// the measured runs, which are the longest).
-fn mean_ns(name: &str) -> Option<f64> {
-    let runs = RUNS.lock().unwrap();
-    let (t, n) = runs
-        .iter()
-        .filter(|r| r.0 == name)
-        .fold((0.0, 0u64), |(t, n), r| (t + r.1.as_secs_f64(), n + r.2));
-    (n > 0).then(|| t * 1e9 / n as f64)
-}
-
-/// A deterministic token stream (SplitMix64), so prompts do not share prefixes by accident.
-struct Tokens(u64);
+/// A deterministic token stream, so prompts do not share prefixes by accident.
+struct Tokens(SplitMix64);
 
 impl Tokens {
+    fn new(seed: u64) -> Tokens {
+        Tokens(SplitMix64(seed))
+    }
+
     fn next(&mut self) -> Token {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) % 50_000) as Token
+        (self.0.next() % 50_000) as Token
     }
 
     fn take(&mut self, n: usize) -> Vec<Token> {
@@ -62,7 +49,7 @@ fn manager(num_blocks: u32, prefix_caching: bool) -> BlockManager {
 fn bench_append(c: &mut Criterion) {
     const MAX_LEN: usize = 8192;
     let mgr = manager(4096, true);
-    let mut tokens = Tokens(1);
+    let mut tokens = Tokens::new(1);
     let mut seq: SeqId = 0;
     mgr.allocate(seq, &tokens.take(32), None).unwrap();
     let mut len = 32;
@@ -102,7 +89,7 @@ fn bench_step(c: &mut Criterion) {
     const MAX_STEPS: usize = 256;
     let blocks_per_seq = (PROMPT + MAX_STEPS).div_ceil(BLOCK_SIZE as usize) as u32 + 1;
     let mgr = manager(BATCH as u32 * blocks_per_seq * 2, true);
-    let mut tokens = Tokens(2);
+    let mut tokens = Tokens::new(2);
     let mut next_id: SeqId = 0;
     let mut plan = Plan::new();
     let mut admit = |mgr: &BlockManager, tokens: &mut Tokens, plan: &mut Plan| -> Vec<SeqId> {
@@ -181,7 +168,7 @@ fn admit_prefilled(mgr: &BlockManager, prompt: &[Token], plan: &mut Plan) -> usi
 /// commit), and with prefix caching off.
 fn bench_prefix(c: &mut Criterion) {
     const PROMPT: usize = 1024;
-    let mut tokens = Tokens(3);
+    let mut tokens = Tokens::new(3);
     let prompt = tokens.take(PROMPT);
     let mut plan = Plan::new();
 

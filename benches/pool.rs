@@ -3,6 +3,9 @@
 //! one thread. The pool is internal; `pagedkv::pool_bench` (hidden) wraps it in handles that
 //! release on drop.
 
+#[path = "support/timing.rs"]
+mod timing;
+
 use std::hint::black_box;
 use std::sync::{Barrier, Mutex};
 use std::thread;
@@ -10,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use pagedkv::pool_bench::Pool as BlockPool;
+use timing::{mean_ns, record};
 
 const NUM_BLOCKS: u32 = 4096;
 
@@ -73,25 +77,7 @@ fn concurrent<P: Pool>(pool: &P, threads: usize, iters: u64) -> Duration {
     })
 }
 
-/// Every timed run criterion made: (benchmark, elapsed, iterations), for the ratios at the end.
-static RUNS: Mutex<Vec<(&str, Duration, u64)>> = Mutex::new(Vec::new());
-
-fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
-    RUNS.lock().unwrap().push((name, elapsed, iters));
-    elapsed
-}
-
-/// Nanoseconds per iteration of `name` over all criterion's runs of it (most of the time is in
-/// the measured runs, which are the longest).
-fn mean_ns(name: &str) -> Option<f64> {
-    let runs = RUNS.lock().unwrap();
-    let (t, n) = runs
-        .iter()
-        .filter(|r| r.0 == name)
-        .fold((0.0, 0u64), |(t, n), r| (t + r.1.as_secs_f64(), n + r.2));
-    (n > 0).then(|| t * 1e9 / n as f64)
-}
-
+/// Prints `candidate`'s time per iteration against `baseline`'s.
 fn print_ratio(what: &str, baseline: &str, candidate: &str) {
     if let (Some(b), Some(c)) = (mean_ns(baseline), mean_ns(candidate)) {
         println!(

@@ -236,3 +236,15 @@ def test_huge_kv_memory_is_a_one_line_error(
     assert out == ""
     assert err.count("\n") == 1 and "error:" in err
     assert message in err
+
+
+@pytest.mark.parametrize("value", [1000, -5])
+def test_block_tables_of_a_plan_whose_csr_was_overwritten_is_an_error(value: int) -> None:
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3, 4, 5])
+    plan = mgr.plan([1], [5])
+    plan.kv_indptr[1] = value  # the views are writable
+    with pytest.raises(ValueError, match="kv_indptr was written through its view"):
+        _ = plan.block_tables
+    plan.kv_indptr[1] = 2
+    assert plan.block_tables.tolist() == [[0, 1]]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from reference_manager import PLAN_ARRAYS, STATS_FIELDS
+from api_fields import PLAN_ARRAYS, STATS_FIELDS
 
 from pagedkv import BlockManager, OutOfBlocks
 
@@ -1225,3 +1225,17 @@ def test_stats_by_hand() -> None:
         "external_failures": 0,
     }
     mgr.check()
+
+
+def test_the_field_lists_name_every_attribute() -> None:
+    """STATS_FIELDS and PLAN_ARRAYS (with the plan's three sizes) are exactly the attributes of
+    Stats and Plan, so the tests that compare every field miss none."""
+    mgr = BlockManager(8, 4)
+    mgr.allocate(1, [1, 2, 3])
+
+    def public(obj: object) -> set[str]:
+        return {name for name in dir(obj) if not name.startswith("_")}
+
+    assert public(mgr.stats()) == set(STATS_FIELDS)
+    sizes = {"batch_size", "num_query_tokens", "block_size"}
+    assert public(mgr.plan([1], [3])) == set(PLAN_ARRAYS) | sizes

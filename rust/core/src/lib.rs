@@ -35,6 +35,7 @@
 
 mod block;
 mod bookkeeping;
+mod config;
 mod cpu_tier;
 mod error;
 mod events;
@@ -48,9 +49,10 @@ mod sequence;
 mod stats;
 mod sync;
 
+pub use config::Config;
 pub use error::{Error, PoolKind};
 pub use events::{Event, EventKind};
-pub use manager::{BlockManager, Config};
+pub use manager::BlockManager;
 pub use plan::Plan;
 #[doc(hidden)]
 pub use pool::bench as pool_bench;

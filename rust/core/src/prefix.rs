@@ -24,7 +24,7 @@ pub type BlockHash = u128;
 pub(crate) type Chain = [u8; 32];
 
 /// The block hash of a chaining value.
-pub(crate) fn short(chain: &Chain) -> BlockHash {
+pub(crate) fn block_hash_of(chain: &Chain) -> BlockHash {
     let bytes: [u8; 16] = chain[..16].try_into().expect("16 bytes");
     u128::from_le_bytes(bytes)
 }
@@ -276,7 +276,7 @@ mod tests {
     #[test]
     fn register_verify_unregister() {
         let c = PrefixCache::new([0; 32], 2, 2).unwrap();
-        let h = short(&c.hash_block(&c.root(None), &[1, 2]));
+        let h = block_hash_of(&c.hash_block(&c.root(None), &[1, 2]));
         c.register(1, h, 5, &[1, 2], || {});
         c.register(0, h, 5, &[1, 2], || panic!("already mapped"));
         assert_eq!(c.get(h), Some(1));

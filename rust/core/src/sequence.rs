@@ -9,7 +9,14 @@ use crate::prefix::Chain;
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, SeqId, Token};
 
+/// A sequence's shard is the top bits of a multiplicative hash of its id, and a batch's shards
+/// are a bit mask in a `u32`: a power of two, at most 32.
 const SHARDS: usize = 32;
+const _: () = assert!(SHARDS.is_power_of_two() && SHARDS <= u32::BITS as usize);
+/// The shift that leaves the top `log2(SHARDS)` bits of a 64-bit hash.
+const SHARD_SHIFT: u32 = u64::BITS - SHARDS.trailing_zeros();
+/// The mask of every shard.
+const ALL_SHARDS: u32 = ((1u64 << SHARDS) - 1) as u32;
 
 /// One sequence: its tokens, its block table, the hashes of its full blocks and where its KV
 /// stands in the lifecycle (pending -> computed). `repr(C)` keeps what a decode step reads for
@@ -120,8 +127,8 @@ impl Hasher for SeqIdHasher {
 }
 
 /// One shard: its sequences in slots, and the map from id to slot. A batch resolves each id
-/// once ([`Batch::find`]) and then reaches the sequence by its slot, however many passes it
-/// makes over the batch.
+/// once ([`LockedBatch::find`]) and then reaches the sequence by its slot, however many passes
+/// it makes over the batch.
 #[derive(Default)]
 pub(crate) struct Shard {
     slot_of: HashMap<SeqId, u32, BuildHasherDefault<SeqIdHasher>>,
@@ -176,7 +183,7 @@ pub(crate) struct SequenceMap {
 }
 
 fn shard_of(id: SeqId) -> usize {
-    (id.wrapping_mul(MIX) >> 59) as usize
+    (id.wrapping_mul(MIX) >> SHARD_SHIFT) as usize
 }
 
 impl SequenceMap {
@@ -194,7 +201,7 @@ impl SequenceMap {
     }
 
     /// Locks the shards holding `ids` (in shard order) for the duration of one operation.
-    pub(crate) fn lock(&self, ids: &[SeqId]) -> Batch<'_> {
+    pub(crate) fn lock(&self, ids: &[SeqId]) -> LockedBatch<'_> {
         let mut mask = 0u32;
         for &id in ids {
             mask |= 1 << shard_of(id);
@@ -203,8 +210,8 @@ impl SequenceMap {
     }
 
     /// Locks the one shard holding `id`.
-    pub(crate) fn lock_one(&self, id: SeqId) -> One<'_> {
-        One {
+    pub(crate) fn lock_one(&self, id: SeqId) -> LockedSeq<'_> {
+        LockedSeq {
             shard: lock(&self.shards[shard_of(id)]),
             id,
             len: &self.len,
@@ -212,26 +219,26 @@ impl SequenceMap {
     }
 
     /// Locks every shard, for an audit.
-    pub(crate) fn lock_all(&self) -> Batch<'_> {
-        self.lock_mask(u32::MAX)
+    pub(crate) fn lock_all(&self) -> LockedBatch<'_> {
+        self.lock_mask(ALL_SHARDS)
     }
 
-    fn lock_mask(&self, mut mask: u32) -> Batch<'_> {
+    fn lock_mask(&self, mut mask: u32) -> LockedBatch<'_> {
         let mut guards: [Option<MutexGuard<'_, Shard>>; SHARDS] = std::array::from_fn(|_| None);
         while mask != 0 {
             let shard = mask.trailing_zeros() as usize;
             guards[shard] = Some(lock(&self.shards[shard]));
             mask &= mask - 1;
         }
-        Batch {
+        LockedBatch {
             guards,
             len: &self.len,
         }
     }
 }
 
-/// The locked shards of one operation.
-pub(crate) struct Batch<'a> {
+/// The locked shards of one batch operation (or of an audit: every shard).
+pub(crate) struct LockedBatch<'a> {
     guards: [Option<MutexGuard<'a, Shard>>; SHARDS],
     len: &'a AtomicUsize,
 }
@@ -243,7 +250,7 @@ pub(crate) struct Member {
     slot: u32,
 }
 
-impl Batch<'_> {
+impl LockedBatch<'_> {
     fn shard(&mut self, id: SeqId) -> &mut Shard {
         self.guards[shard_of(id)]
             .as_mut()
@@ -260,7 +267,7 @@ impl Batch<'_> {
         })
     }
 
-    /// The member found by [`Batch::find`] (in this batch, and still live).
+    /// The member found by [`LockedBatch::find`] (in this batch, and still live).
     pub(crate) fn at(&mut self, member: Member) -> &mut Sequence {
         self.guards[member.shard as usize]
             .as_mut()
@@ -290,14 +297,14 @@ impl Batch<'_> {
     }
 }
 
-/// The locked shard of a single-sequence operation.
-pub(crate) struct One<'a> {
+/// The locked shard of a single-sequence operation, bound to that sequence's id.
+pub(crate) struct LockedSeq<'a> {
     shard: MutexGuard<'a, Shard>,
     id: SeqId,
     len: &'a AtomicUsize,
 }
 
-impl One<'_> {
+impl LockedSeq<'_> {
     /// The sequence, if live.
     pub(crate) fn get(&mut self) -> Option<&mut Sequence> {
         self.shard.get(self.id)

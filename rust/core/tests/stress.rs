@@ -8,6 +8,9 @@
 //! says, applies the plan's copies and the swaps' pairs, and reads every sequence's whole KV
 //! back through its block table after each step must never read anything but its own KV.
 
+#[path = "../../../benches/support/splitmix64.rs"]
+mod splitmix64;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Barrier;
@@ -16,14 +19,18 @@ use std::thread;
 use pagedkv::{
     BlockId, BlockManager, Config, Error, Event, EventKind, Plan, PoolKind, SeqId, Token,
 };
+use splitmix64::{mix, SplitMix64};
 
-/// A small deterministic generator (SplitMix64), so each thread's choices are reproducible.
-struct Rng(u64);
+/// Each thread's deterministic choices, so they are reproducible.
+struct Rng(SplitMix64);
 
 impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(SplitMix64(seed))
+    }
+
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix(self.0)
+        self.0.next()
     }
 
     fn below(&mut self, n: usize) -> usize {
@@ -34,13 +41,6 @@ impl Rng {
         // Far above the shared prefixes' ids, so suffixes share nothing by accident.
         1000 + self.below(1 << 20) as Token
     }
-}
-
-/// SplitMix64's finalizer.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// A swap the engine has not confirmed yet.
@@ -278,7 +278,7 @@ fn confirm_pending(mgr: &BlockManager, o: &mut Owned) {
 
 /// One worker: drives its own sequences through every operation; returns what it still owns.
 fn worker(mgr: &BlockManager, thread_id: u64, ops: usize, tally: &Tally) -> Vec<Owned> {
-    let mut rng = Rng(0x5EED ^ thread_id.wrapping_mul(0x1234_5678_9ABC));
+    let mut rng = Rng::new(0x5EED ^ thread_id.wrapping_mul(0x1234_5678_9ABC));
     let bs = mgr.config().block_size as usize;
     let prefixes = shared_prefixes(bs);
     let salt = format!("tenant-{thread_id}").into_bytes();
@@ -672,7 +672,7 @@ fn confirm_kv(mgr: &BlockManager, engine: &Engine, s: &mut KvSeq) {
 /// One thread of the slot-content test: admits prompts over a shared system prompt, prefills,
 /// decodes, forks, swaps and frees, running every plan through the engine.
 fn kv_worker(mgr: &BlockManager, engine: &Engine, thread_id: u64, ops: usize, tally: &KvTally) {
-    let mut rng = Rng(0xD00D ^ thread_id.wrapping_mul(0x2545_F491_4F6C_DD1D));
+    let mut rng = Rng::new(0xD00D ^ thread_id.wrapping_mul(0x2545_F491_4F6C_DD1D));
     let bs = engine.bs;
     let auto_commit = mgr.config().auto_commit;
     let system: Vec<Token> = (0..3 * bs as Token + 1).collect();

@@ -1,0 +1,26 @@
+//! The timed runs a criterion bench recorded, for the figures and ratios it prints at the end:
+//! each `iter_custom` closure returns `record(name, elapsed, iters)`, and `mean_ns(name)` reads
+//! them back.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Every timed run criterion made: (benchmark, elapsed, iterations).
+static RUNS: Mutex<Vec<(&str, Duration, u64)>> = Mutex::new(Vec::new());
+
+/// Records one timed run of `name`; returns `elapsed`, for `iter_custom`.
+pub fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
+    RUNS.lock().unwrap().push((name, elapsed, iters));
+    elapsed
+}
+
+/// Nanoseconds per iteration of `name` over all criterion's runs of it (most of the time is in
+/// the measured runs, which are the longest).
+pub fn mean_ns(name: &str) -> Option<f64> {
+    let runs = RUNS.lock().unwrap();
+    let (t, n) = runs
+        .iter()
+        .filter(|r| r.0 == name)
+        .fold((0.0, 0u64), |(t, n), r| (t + r.1.as_secs_f64(), n + r.2));
+    (n > 0).then(|| t * 1e9 / n as f64)
+}

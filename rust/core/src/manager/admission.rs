@@ -1,0 +1,334 @@
+//! Admission and the prefix cache: `allocate` (and `allocate_loading`) reuse the cached full
+//! blocks of a prompt's prefix; read-only lookups, block hashes and the cache's reset.
+
+use crate::block::BlockState;
+use crate::error::invalid;
+use crate::events::EventKind;
+use crate::manager::{check_room, BlockManager, MAX_TOKENS};
+use crate::pool::Hit;
+use crate::prefix::{block_hash_of, BlockHash, Chain, PrefixCache};
+use crate::sequence::Sequence;
+use crate::stats::Counters;
+use crate::{BlockId, Error, PoolKind, SeqId, Token};
+
+/// The outcome of a prefix lookup: every full block's hash and the verified hits.
+struct Lookup {
+    root: Chain,
+    hashes: Vec<Chain>,
+    hits: Vec<(BlockId, BlockState)>,
+    cached_hits: usize,
+}
+
+impl BlockManager {
+    /// Admits sequence `seq` with its prompt, reusing cached full blocks of the same prefix
+    /// (and `salt`); returns how many prompt tokens were reused. Their KV is computed; the rest
+    /// of the prompt is pending until a plan computes it.
+    pub fn allocate(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+    ) -> Result<usize, Error> {
+        Ok(self.admit(seq, tokens, salt, None)?.0)
+    }
+
+    /// Admits `seq` like [`BlockManager::allocate`] when an external store holds more of the
+    /// prompt: the caller claims full blocks `0..loadable_blocks` exist on the GPU or in the
+    /// store. Returns the GPU-reused tokens `k * block_size` and the fresh GPU blocks for
+    /// logical blocks `k..k + n` to fill from the store (never covering the last token). Their
+    /// KV stays pending until [`BlockManager::confirm_loads`].
+    pub fn allocate_loading(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        loadable_blocks: usize,
+        salt: Option<&[u8]>,
+    ) -> Result<(usize, Vec<BlockId>), Error> {
+        self.admit(seq, tokens, salt, Some(loadable_blocks))
+    }
+
+    fn admit(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+        loadable: Option<usize>,
+    ) -> Result<(usize, Vec<BlockId>), Error> {
+        if tokens.is_empty() {
+            return Err(invalid("allocate needs at least one token"));
+        }
+        check_room(0, tokens.len())?;
+        let mut one = self.seqs.lock_one(seq);
+        if one.get().is_some() {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let bs = self.bs;
+        let pages = bs.pages(tokens.len());
+        let (found, table) = loop {
+            let found = self.lookup(tokens, salt);
+            let needed = pages - found.hits.len() + found.cached_hits;
+            self.reserve_gpu(needed)?;
+            let mut table = Vec::with_capacity(pages);
+            let mut used = 0;
+            for &(block, seen) in &found.hits {
+                match self.gpu.acquire_hit(block, seen, bs.get() as u32) {
+                    Some(Hit::Shared) => {}
+                    Some(Hit::Revived) => used += 1,
+                    None => break,
+                }
+                table.push(block);
+            }
+            if table.len() < found.hits.len() {
+                // Another thread changed a matched block between lookup and acquire: undo, retry.
+                self.release_gpu_blocks(&table, table.len() * bs.get());
+                self.gpu.unreserve(needed - used);
+                continue;
+            }
+            while table.len() < pages {
+                table.push(self.take_fresh());
+                used += 1;
+            }
+            self.gpu.unreserve(needed - used);
+            break (found, table);
+        };
+        let hit_blocks = found.hits.len();
+        let reused = hit_blocks * bs.get();
+        let hittable = bs.index(tokens.len() - 1);
+        let loads = match loadable {
+            Some(until) if self.prefix.is_some() => until.min(hittable).saturating_sub(hit_blocks),
+            _ => 0,
+        };
+        let load_blocks = table[hit_blocks..hit_blocks + loads].to_vec();
+        let mut sequence = Sequence::new(
+            tokens.to_vec(),
+            table,
+            found.hashes,
+            found.root,
+            reused,
+            hit_blocks,
+        );
+        if loads > 0 {
+            sequence.loading = Some((hit_blocks, loads));
+        }
+        if loadable.is_some() {
+            Counters::add(
+                &self.counters.external_query_tokens,
+                ((hittable.saturating_sub(hit_blocks)) * bs.get()) as u64,
+            );
+        }
+        self.gpu.add_stored(tokens.len() - reused);
+        Counters::add(&self.counters.computed_tokens, reused as u64);
+        Counters::add(
+            &self.counters.pending_tokens,
+            (tokens.len() - reused) as u64,
+        );
+        Counters::add(&self.counters.prefix_query_tokens, tokens.len() as u64);
+        Counters::add(&self.counters.prefix_hit_tokens, reused as u64);
+        one.insert(sequence);
+        Ok((reused, load_blocks))
+    }
+
+    /// Whether a prompt could be admitted now while keeping the watermark in reserve.
+    pub fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
+        if tokens.is_empty() || tokens.len() > MAX_TOKENS {
+            return false;
+        }
+        let found = self.lookup(tokens, salt);
+        let needed = self.bs.pages(tokens.len()) - found.hits.len() + found.cached_hits;
+        self.gpu.available() >= needed + self.watermark_blocks
+    }
+
+    /// How many leading full blocks of the prompt the GPU prefix cache holds now (read-only; a
+    /// hit never covers the last token).
+    pub fn cached_prefix_blocks(&self, tokens: &[Token], salt: Option<&[u8]>) -> usize {
+        if tokens.is_empty() || tokens.len() > MAX_TOKENS {
+            return 0;
+        }
+        self.lookup(tokens, salt).hits.len()
+    }
+
+    /// The chained hashes of the prompt's full blocks (the values events carry).
+    pub fn block_hashes(
+        &self,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+    ) -> Result<Vec<BlockHash>, Error> {
+        let prefix = self
+            .prefix
+            .as_ref()
+            .ok_or_else(|| invalid("block hashes need prefix caching"))?;
+        let mut parent = prefix.root(salt);
+        Ok(tokens
+            .chunks_exact(self.bs.get())
+            .map(|block| {
+                parent = prefix.hash_block(&parent, block);
+                block_hash_of(&parent)
+            })
+            .collect())
+    }
+
+    /// A 64-bit fingerprint of the hash key (`None` without prefix caching): managers with the
+    /// same fingerprint, block size and salt produce the same block hashes.
+    pub fn hash_key_fingerprint(&self) -> Option<u64> {
+        self.prefix.as_ref().map(PrefixCache::fingerprint)
+    }
+
+    /// The hashes of the computed full blocks `medium` holds: registered in the GPU prefix
+    /// cache, or (while events are recorded) copied to the CPU pool by confirmed swap-outs. It
+    /// is what an index built from the events describes.
+    pub fn stored_hashes(&self, medium: PoolKind) -> Vec<BlockHash> {
+        match (medium, &self.prefix) {
+            (_, None) => Vec::new(),
+            (PoolKind::Gpu, Some(prefix)) => prefix.hashes(),
+            (PoolKind::Cpu, Some(_)) => self.cpu_tier.hashes(),
+        }
+    }
+
+    /// Drops every prefix-cache registration: CACHED blocks become FREE, held blocks stay
+    /// held but are no longer shared with new prompts; the CPU tier is no longer announced.
+    pub fn reset_prefix_cache(&self) {
+        let Some(prefix) = &self.prefix else {
+            self.events.record(|| EventKind::AllBlocksCleared);
+            return;
+        };
+        let mut shards = prefix.lock_all();
+        let registered: Vec<BlockId> = shards.iter().flat_map(|s| s.values().copied()).collect();
+        self.gpu.clear_hashes(registered.into_iter());
+        for shard in &mut shards {
+            shard.clear();
+        }
+        // Under the shard locks and the CPU tier's, so no GPU or CPU event can slip in before
+        // this one for a block it clears.
+        self.cpu_tier
+            .clear(|| self.events.record(|| EventKind::AllBlocksCleared));
+    }
+
+    /// Hashes the prompt's full blocks and walks the prefix cache to the first miss, never
+    /// covering the last token. Read-only.
+    fn lookup(&self, tokens: &[Token], salt: Option<&[u8]>) -> Lookup {
+        let Some(prefix) = &self.prefix else {
+            return Lookup {
+                root: [0; 32],
+                hashes: Vec::new(),
+                hits: Vec::new(),
+                cached_hits: 0,
+            };
+        };
+        let bs = self.bs;
+        let root = prefix.root(salt);
+        let full = bs.index(tokens.len());
+        let hittable = bs.index(tokens.len() - 1);
+        let mut hashes = Vec::with_capacity(full);
+        let mut hits = Vec::new();
+        let mut cached_hits = 0;
+        let mut parent = root;
+        let mut hitting = true;
+        for (i, block_tokens) in tokens.chunks_exact(bs.get()).enumerate() {
+            let chain = prefix.hash_block(&parent, block_tokens);
+            if hitting && i < hittable {
+                match self.find(
+                    prefix,
+                    block_hash_of(&chain),
+                    block_hash_of(&parent),
+                    block_tokens,
+                ) {
+                    Some((block, state)) => {
+                        cached_hits += usize::from(state.refcount() == 0);
+                        hits.push((block, state));
+                    }
+                    None => hitting = false,
+                }
+            }
+            hashes.push(chain);
+            parent = chain;
+        }
+        Lookup {
+            root,
+            hashes,
+            hits,
+            cached_hits,
+        }
+    }
+
+    /// The registered block with exactly this content, with the state it was verified in;
+    /// `acquire_hit` with that state is what guards the hit (see `PrefixCache::find`).
+    fn find(
+        &self,
+        prefix: &PrefixCache,
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: &[Token],
+    ) -> Option<(BlockId, BlockState)> {
+        prefix.find(&self.gpu, hash, parent, tokens)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use crate::manager::testing::*;
+    use crate::{Error, Plan, Token};
+
+    #[test]
+    fn external_loads_become_computed_when_confirmed() {
+        let mgr = manager(16, 4, |_| {});
+        let prompt: Vec<Token> = (1..=17).collect();
+        // Five blocks, four of them hittable (a hit never covers the last token).
+        let (reused, loads) = mgr.allocate_loading(1, &prompt, 3, None).unwrap();
+        assert_eq!((reused, loads), (0, vec![0, 1, 2]));
+        assert_eq!(mgr.stats().external_query_tokens, 16);
+        mgr.check().unwrap();
+        let mut plan = Plan::new();
+        assert!(is_invalid(mgr.step(&[1], &[18], &mut plan)));
+        assert!(is_invalid(mgr.plan(&[1], &[17], &mut plan)));
+        assert!(is_invalid(mgr.append(1, &[18])));
+        assert!(is_invalid(mgr.fork(1, 2)));
+        assert!(is_invalid(mgr.confirm_loads(1, 4)));
+        assert_eq!(mgr.confirm_loads(9, 1), Err(Error::UnknownSequence(9)));
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 0);
+        // Two of the three blocks arrived; the third is recomputed.
+        mgr.confirm_loads(1, 2).unwrap();
+        mgr.check().unwrap();
+        assert!(is_invalid(mgr.confirm_loads(1, 0)));
+        assert_eq!(mgr.num_computed(1).unwrap(), 8);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 2);
+        let st = mgr.stats();
+        assert_eq!(
+            (
+                st.external_hit_tokens,
+                st.prefix_hit_tokens,
+                st.external_failures
+            ),
+            (8, 8, 1)
+        );
+        mgr.plan(&[1], &[9], &mut plan).unwrap();
+        assert_eq!(plan.positions[0], 8);
+
+        // A second admission hits the two computed blocks and loads the next two.
+        let (reused, loads) = mgr.allocate_loading(2, &prompt, 9, None).unwrap();
+        assert_eq!(reused, 8);
+        assert_eq!(loads.len(), 2);
+        assert_eq!(mgr.block_table(2).unwrap()[2..4], loads[..]);
+        assert_eq!(mgr.stats().external_query_tokens, 16 + 8);
+        // Freeing a sequence that still waits counts its loads as failures.
+        mgr.free(2).unwrap();
+        mgr.check().unwrap();
+        assert_eq!(mgr.stats().external_failures, 3);
+        // Nothing to load: admitted like `allocate`.
+        let (reused, loads) = mgr.allocate_loading(3, &prompt, 2, None).unwrap();
+        assert_eq!((reused, loads), (8, vec![]));
+        mgr.confirm_loads(3, 0).unwrap_err();
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn without_prefix_caching_nothing_is_loaded() {
+        let mgr = manager(16, 4, |c| c.enable_prefix_caching = false);
+        let (reused, loads) = mgr
+            .allocate_loading(1, &(1..=17).collect::<Vec<_>>(), 4, None)
+            .unwrap();
+        assert_eq!((reused, loads), (0, vec![]));
+        assert_eq!(mgr.stats().external_query_tokens, 16);
+        prefill(&mgr, &[1]);
+        mgr.check().unwrap();
+    }
+}

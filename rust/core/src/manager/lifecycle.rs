@@ -1,0 +1,267 @@
+//! The KV lifecycle: `commit` (and auto-commit) makes planned KV computed, completes the copies
+//! plans carried and registers newly computed full blocks; `confirm_loads` does it for external
+//! loads.
+
+use crate::error::invalid;
+use crate::events::EventKind;
+use crate::manager::{one_each, visit, BlockManager};
+use crate::prefix::{block_hash_of, PrefixCache};
+use crate::sequence::Sequence;
+use crate::stats::Counters;
+use crate::{Error, PoolKind, SeqId};
+
+impl BlockManager {
+    /// Confirms that the first `loaded` blocks handed out by `allocate_loading` hold their KV:
+    /// they become computed (and shareable); the rest stay pending, to be recomputed.
+    pub fn confirm_loads(&self, seq: SeqId, loaded: usize) -> Result<(), Error> {
+        let mut one = self.seqs.lock_one(seq);
+        let s = one.get().ok_or(Error::UnknownSequence(seq))?;
+        let Some((first, count)) = s.loading else {
+            return Err(invalid(format!(
+                "sequence {seq} has no external loads to confirm"
+            )));
+        };
+        if loaded > count {
+            return Err(invalid(format!(
+                "sequence {seq} was handed {count} blocks to load, not {loaded}"
+            )));
+        }
+        s.loading = None;
+        let upto = (first + loaded) * self.bs.get();
+        s.planned = s.planned.max(upto);
+        self.commit_to(s, upto);
+        let hit = (loaded * self.bs.get()) as u64;
+        Counters::add(&self.counters.external_hit_tokens, hit);
+        Counters::add(&self.counters.prefix_hit_tokens, hit);
+        Counters::add(&self.counters.external_failures, (count - loaded) as u64);
+        Ok(())
+    }
+
+    /// Confirms the engine's forward passes: each sequence's KV is computed up to `upto[i]`
+    /// tokens (`None`: up to the end of its latest plan). Copies that plans carried are done,
+    /// and newly computed full blocks become shareable. Counts may not exceed what was planned;
+    /// counts below what is already computed change nothing.
+    pub fn commit(&self, seqs: &[SeqId], upto: Option<&[usize]>) -> Result<(), Error> {
+        if let Some(upto) = upto {
+            one_each("commit", seqs.len(), upto.len(), "token counts")?;
+        }
+        let stamp = self.next_stamp();
+        let mut batch = self.seqs.lock(seqs);
+        let mut members = Vec::with_capacity(seqs.len());
+        for (b, &id) in seqs.iter().enumerate() {
+            let member = visit(&mut batch, id, stamp, false)?;
+            let s = batch.at(member);
+            if let Some(n) = upto.map(|u| u[b]) {
+                if n > s.planned {
+                    return Err(invalid(format!(
+                        "sequence {id}: cannot commit {n} tokens, only {} are planned",
+                        s.planned
+                    )));
+                }
+            }
+            members.push(member);
+        }
+        let mut computed = 0;
+        for (b, &member) in members.iter().enumerate() {
+            let s = batch.at(member);
+            let n = upto.map_or(s.planned, |u| u[b]);
+            computed += self.commit_unsettled(s, n);
+        }
+        self.settle(computed);
+        Ok(())
+    }
+
+    /// Tokens of the sequence whose KV is computed.
+    pub fn num_computed(&self, seq: SeqId) -> Result<usize, Error> {
+        let mut one = self.seqs.lock_one(seq);
+        Ok(one.get().ok_or(Error::UnknownSequence(seq))?.computed)
+    }
+
+    /// With `auto_commit`, a call naming a sequence first commits its latest plan. Returns the
+    /// tokens that became computed, for [`BlockManager::settle`].
+    pub(super) fn auto_commit(&self, s: &mut Sequence) -> u64 {
+        if self.config.auto_commit {
+            self.commit_unsettled(s, s.planned)
+        } else {
+            0
+        }
+    }
+
+    /// Commits `s` up to `upto` and settles the token gauges.
+    pub(super) fn commit_to(&self, s: &mut Sequence, upto: usize) {
+        let computed = self.commit_unsettled(s, upto);
+        self.settle(computed);
+    }
+
+    /// Moves `tokens` from the pending gauge to the computed one: once per call, not per
+    /// sequence, so a batch pays two atomic additions however large it is.
+    pub(super) fn settle(&self, tokens: u64) {
+        if tokens > 0 {
+            Counters::add(&self.counters.computed_tokens, tokens);
+            Counters::sub(&self.counters.pending_tokens, tokens);
+        }
+    }
+
+    /// Marks the sequence's KV computed up to `upto` (at most `planned`), completes the copies
+    /// of committed plans and registers the newly computed full blocks. Returns the tokens that
+    /// became computed; the caller settles them.
+    #[inline]
+    fn commit_unsettled(&self, s: &mut Sequence, upto: usize) -> u64 {
+        debug_assert!(upto <= s.planned);
+        let mut computed = 0;
+        if upto > s.computed {
+            computed = (upto - s.computed) as u64;
+            s.computed = upto;
+        }
+        // The decode step's usual case: no copy to complete and no block newly full.
+        let full = self.bs.index(s.computed);
+        if s.copying.is_empty() && (full <= s.registered || self.prefix.is_none()) {
+            return computed;
+        }
+        self.complete_and_register(s);
+        computed
+    }
+
+    /// The rest of a commit: completes the copies of committed plans and registers the newly
+    /// computed full blocks.
+    fn complete_and_register(&self, s: &mut Sequence) {
+        if !s.copying.is_empty() {
+            let computed = s.computed;
+            s.copying.retain(|copy| {
+                let done = copy.until <= computed;
+                if done {
+                    self.gpu.release_block(copy.src, copy.fill);
+                }
+                !done
+            });
+        }
+        if !s.swapped && s.swap_source.is_none() && s.loading.is_none() {
+            let computed_blocks = self.bs.index(s.computed);
+            self.register_full(s, computed_blocks);
+        }
+    }
+
+    /// Hashes the sequence's full blocks `0..n` that are not hashed yet.
+    pub(super) fn hash_blocks(&self, prefix: &PrefixCache, s: &mut Sequence, n: usize) {
+        let bs = self.bs.get();
+        while s.hashes.len() < n {
+            let i = s.hashes.len();
+            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
+            s.hashes
+                .push(prefix.hash_block(&parent, &s.tokens[i * bs..(i + 1) * bs]));
+        }
+    }
+
+    /// Registers the sequence's full blocks `registered..upto` (all computed) in the prefix
+    /// cache, in logical order.
+    fn register_full(&self, s: &mut Sequence, upto: usize) {
+        let Some(prefix) = &self.prefix else {
+            return;
+        };
+        if s.registered >= upto {
+            return;
+        }
+        self.hash_blocks(prefix, s, upto);
+        let bs = self.bs.get();
+        for i in s.registered..upto {
+            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
+            let tokens = &s.tokens[i * bs..(i + 1) * bs];
+            let (hash, parent) = (block_hash_of(&s.hashes[i]), block_hash_of(&parent));
+            let block = s.table[i];
+            prefix.register(block, hash, parent, tokens, || {
+                self.gpu.mark_hashed(block);
+                self.events.record(|| EventKind::BlockStored {
+                    block_hash: hash,
+                    parent_hash: (i > 0).then_some(parent),
+                    token_ids: tokens.to_vec(),
+                    block_id: block,
+                    medium: PoolKind::Gpu,
+                });
+            });
+        }
+        s.registered = upto;
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use crate::manager::testing::*;
+    use crate::{Error, Plan, PoolKind, Token};
+
+    #[test]
+    fn blocks_are_hittable_only_once_committed() {
+        let mgr = manager(16, 4, |c| c.enable_events = true);
+        let prompt: Vec<Token> = (1..=9).collect();
+        assert_eq!(mgr.allocate(1, &prompt, None).unwrap(), 0);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 0);
+        assert!(mgr.take_events().is_empty(), "allocate registers nothing");
+        let plan = prefill(&mgr, &[1]);
+        assert_eq!(plan.positions, (0..9).collect::<Vec<i32>>());
+        // Planned is not computed: a second request still recomputes the prefix.
+        assert_eq!(mgr.allocate(2, &prompt, None).unwrap(), 0);
+        mgr.free(2).unwrap();
+        let st = mgr.stats();
+        assert_eq!((st.computed_tokens, st.pending_tokens), (0, 9));
+        mgr.commit(&[1], None).unwrap();
+        mgr.check().unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 9);
+        let st = mgr.stats();
+        assert_eq!((st.computed_tokens, st.pending_tokens), (9, 0));
+        assert_eq!(
+            event_blocks(&mgr),
+            vec![(PoolKind::Gpu, 0, true), (PoolKind::Gpu, 1, true)]
+        );
+        assert_eq!(mgr.allocate(3, &prompt, None).unwrap(), 8);
+        assert_eq!(mgr.block_table(3).unwrap()[..2], [0, 1]);
+        mgr.check().unwrap();
+
+        // Auto-commit: the next step's call commits the decode token planned by the last one.
+        let mut plan = Plan::new();
+        mgr.step(&[1], &[10], &mut plan).unwrap();
+        mgr.step(&[1], &[11], &mut plan).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 10);
+        assert_eq!(
+            mgr.cached_prefix_blocks(&(1..=13).collect::<Vec<_>>(), None),
+            2
+        );
+        mgr.step(&[1], &[12], &mut plan).unwrap();
+        mgr.step(&[1], &[13], &mut plan).unwrap();
+        assert_eq!(
+            mgr.cached_prefix_blocks(&(1..=13).collect::<Vec<_>>(), None),
+            3
+        );
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn without_auto_commit_only_commit_computes() {
+        let mgr = manager(16, 4, |c| c.auto_commit = false);
+        let prompt: Vec<Token> = (1..=9).collect();
+        mgr.allocate(1, &prompt, None).unwrap();
+        prefill(&mgr, &[1]);
+        let mut plan = Plan::new();
+        mgr.step(&[1], &[10], &mut plan).unwrap();
+        mgr.append(1, &[11]).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 0);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 0);
+        // Beyond what was planned (10 tokens) is refused, and changes nothing.
+        assert!(is_invalid(mgr.commit(&[1], Some(&[11]))));
+        assert!(is_invalid(mgr.commit(&[1], Some(&[4, 4]))));
+        assert!(is_invalid(mgr.commit(&[1, 1], None)));
+        assert_eq!(mgr.commit(&[7], None), Err(Error::UnknownSequence(7)));
+        assert_eq!(mgr.num_computed(1).unwrap(), 0);
+        mgr.commit(&[1], Some(&[5])).unwrap();
+        mgr.check().unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 5);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 1);
+        // A count below what is computed changes nothing.
+        mgr.commit(&[1], Some(&[2])).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 5);
+        mgr.commit(&[1], None).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 10);
+        assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 2);
+        let st = mgr.stats();
+        assert_eq!((st.computed_tokens, st.pending_tokens), (10, 1));
+        mgr.check().unwrap();
+    }
+}

@@ -1,0 +1,256 @@
+//! Appending and planning: `append`, `step` (one decode token per sequence) and `plan` (any
+//! batch), with the copy-on-write of a shared last block.
+
+use crate::error::invalid;
+use crate::manager::{check_room, no_gap, not_loading, one_each, visit, BlockManager};
+use crate::plan::Plan;
+use crate::sequence::{PendingCopy, Sequence};
+use crate::stats::Counters;
+use crate::{Error, SeqId, Token};
+
+impl BlockManager {
+    /// Appends tokens to a running sequence, copying a shared last block on write. The tokens'
+    /// KV is pending until a plan computes it; the copy comes back with that plan.
+    pub fn append(&self, seq: SeqId, tokens: &[Token]) -> Result<(), Error> {
+        if tokens.is_empty() {
+            return Err(invalid("append needs at least one token"));
+        }
+        let mut one = self.seqs.lock_one(seq);
+        let s = one.get().ok_or(Error::UnknownSequence(seq))?;
+        if s.swapped {
+            return Err(Error::SwappedOut(seq));
+        }
+        not_loading(seq, s)?;
+        check_room(s.tokens.len(), tokens.len())?;
+        self.settle(self.auto_commit(s));
+        let needed = self.blocks_to_append(s, tokens.len());
+        self.reserve_gpu(needed)?;
+        let used = self.append_reserved(s, tokens);
+        self.gpu.unreserve(needed - used);
+        self.gpu.add_stored(tokens.len());
+        Counters::add(&self.counters.pending_tokens, tokens.len() as u64);
+        Ok(())
+    }
+
+    /// One decode step: appends `tokens[i]` to `seqs[i]` for the whole batch (all or nothing),
+    /// then writes the plan for one query token per sequence into `plan`. On an error `plan`
+    /// is left empty.
+    pub fn step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
+        self.fill_step(seqs, tokens, plan)
+            .inspect_err(|_| plan.begin(0, 0, 0, self.bs))
+    }
+
+    /// Writes the plan for any batch into `plan`: sequence `seqs[i]`'s last `query_lens[i]`
+    /// tokens are the queries (prefill, chunked prefill, decode or a mix). On an error `plan` is
+    /// left empty.
+    pub fn plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
+        self.fill_plan(seqs, query_lens, plan)
+            .inspect_err(|_| plan.begin(0, 0, 0, self.bs))
+    }
+
+    fn fill_step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
+        one_each("step", seqs.len(), tokens.len(), "tokens")?;
+        let stamp = self.next_stamp();
+        let mut batch = self.seqs.lock(seqs);
+        let mut members = Vec::with_capacity(seqs.len());
+        let (mut nnz, mut needed, mut copying) = (0, 0, false);
+        for &id in seqs {
+            let member = visit(&mut batch, id, stamp, false)?;
+            let s = batch.at(member);
+            not_loading(id, s)?;
+            check_room(s.tokens.len(), 1)?;
+            no_gap(id, s, s.tokens.len())?;
+            nnz += self.bs.pages(s.tokens.len() + 1);
+            needed += self.blocks_to_append(s, 1);
+            copying |= !s.copying.is_empty();
+            members.push(member);
+        }
+        // Members with copies in flight are committed first: a completed copy releases its
+        // source, which may be another member's tail that then needs no copy-on-write, so
+        // `needed` is counted again after them. Any other commit changes no refcount, so it
+        // waits for its own member's turn below (one pass over the batch fewer).
+        if copying && self.config.auto_commit {
+            let mut computed = 0;
+            for &member in &members {
+                let s = batch.at(member);
+                if !s.copying.is_empty() {
+                    computed += self.auto_commit(s);
+                }
+            }
+            self.settle(computed);
+            needed = members
+                .iter()
+                .map(|&member| self.blocks_to_append(batch.at(member), 1))
+                .sum();
+        }
+        self.reserve_gpu(needed)?;
+        plan.begin(seqs.len(), nnz, seqs.len(), self.bs);
+        let (mut used, mut computed) = (0, 0);
+        for (&member, &token) in members.iter().zip(tokens) {
+            let s = batch.at(member);
+            computed += self.auto_commit(s);
+            used += self.append_reserved(s, &[token]);
+            self.plan_one(s, 1, plan);
+        }
+        self.settle(computed);
+        self.gpu.unreserve(needed - used);
+        self.gpu.add_stored(seqs.len());
+        Counters::add(&self.counters.pending_tokens, seqs.len() as u64);
+        Ok(())
+    }
+
+    fn fill_plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
+        one_each("plan", seqs.len(), query_lens.len(), "query lengths")?;
+        let stamp = self.next_stamp();
+        let mut batch = self.seqs.lock(seqs);
+        let (mut nnz, mut num_query_tokens) = (0, 0);
+        let mut members = Vec::with_capacity(seqs.len());
+        for (&id, &q) in seqs.iter().zip(query_lens) {
+            let member = visit(&mut batch, id, stamp, false)?;
+            members.push(member);
+            let s = batch.at(member);
+            not_loading(id, s)?;
+            let len = s.tokens.len();
+            if q == 0 || q as usize > len {
+                return Err(invalid(format!(
+                    "query length {q} of sequence {id} must be in 1..={len}"
+                )));
+            }
+            no_gap(id, s, len - q as usize)?;
+            nnz += self.bs.pages(len);
+            num_query_tokens += q as usize;
+        }
+        plan.begin(seqs.len(), nnz, num_query_tokens, self.bs);
+        let mut computed = 0;
+        for (&member, &q) in members.iter().zip(query_lens) {
+            let s = batch.at(member);
+            computed += self.auto_commit(s);
+            self.plan_one(s, q as usize, plan);
+        }
+        self.settle(computed);
+        Ok(())
+    }
+
+    /// Adds a validated sequence's last `q` tokens to the plan, with the copies it must apply
+    /// first; the plan's forward pass computes the sequence's KV up to its end.
+    fn plan_one(&self, s: &mut Sequence, q: usize, plan: &mut Plan) {
+        let len = s.tokens.len();
+        plan.push(&s.table, len, q, self.bs);
+        if !s.copies.is_empty() {
+            for mut copy in s.copies.drain(..) {
+                plan.push_copy(copy.src, copy.dst);
+                copy.until = len;
+                s.copying.push(copy);
+            }
+        }
+        s.planned = len;
+    }
+
+    /// Blocks an append of `count` tokens takes: a copy-on-write of a shared partial last
+    /// block, plus the new blocks.
+    fn blocks_to_append(&self, s: &Sequence, count: usize) -> usize {
+        let bs = self.bs;
+        usize::from(self.must_copy_tail(s)) + bs.pages(s.tokens.len() + count) - s.table.len()
+    }
+
+    /// Whether the last block is partial and shared (by another sequence, or as the source of
+    /// a copy not yet done), so writing to it needs a private copy.
+    fn must_copy_tail(&self, s: &Sequence) -> bool {
+        s.shared_tail
+            && self.bs.offset(s.tokens.len()) != 0
+            && self
+                .gpu
+                .state(*s.table.last().expect("a sequence has a block"))
+                .refcount()
+                > 1
+    }
+
+    /// Appends with blocks already reserved; returns how many it took. The caller counts the
+    /// appended tokens into the pool's stored tokens (once per batch).
+    fn append_reserved(&self, s: &mut Sequence, tokens: &[Token]) -> usize {
+        let bs = self.bs;
+        let len = s.tokens.len();
+        let mut used = 0;
+        // A partial block gains holders only through forks and swaps of sequences holding it,
+        // so one this sequence held alone in `blocks_to_append` is still private here: a copy
+        // is never taken without a reserved block.
+        if self.must_copy_tail(s) {
+            let last = s.table.last_mut().expect("a sequence has a block");
+            let src = *last;
+            let dst = self.take_fresh();
+            used += 1;
+            let fill = bs.offset(len) as u32;
+            // The sequence's reference to `src` now belongs to the copy, until it is done.
+            s.copies.push(PendingCopy {
+                src,
+                dst,
+                fill,
+                until: 0,
+            });
+            *last = dst;
+            self.gpu.add_stored(fill as usize);
+        }
+        s.shared_tail = false;
+        s.tokens.extend_from_slice(tokens);
+        let pages = bs.pages(s.tokens.len());
+        while s.table.len() < pages {
+            s.table.push(self.take_fresh());
+            used += 1;
+        }
+        used
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::manager::testing::*;
+    use crate::{Config, Plan};
+
+    #[test]
+    fn a_failed_plan_leaves_it_empty() {
+        let mgr = BlockManager::new(Config::new(8, 4)).unwrap();
+        mgr.allocate(1, &[1, 2, 3], None).unwrap();
+        let mut plan = Plan::new();
+        mgr.plan(&[1], &[3], &mut plan).unwrap();
+        assert_eq!(plan.batch_size(), 1);
+        assert!(mgr.plan(&[1], &[4], &mut plan).is_err());
+        assert_eq!(plan.batch_size(), 0);
+        mgr.step(&[1], &[4], &mut plan).unwrap();
+        assert_eq!(plan.positions, vec![3]);
+        assert_eq!(
+            mgr.step(&[2], &[4], &mut plan),
+            Err(Error::UnknownSequence(2))
+        );
+        assert_eq!(plan.batch_size(), 0);
+        assert!(plan.block_tables().unwrap().is_empty());
+        mgr.check().unwrap();
+    }
+
+    #[test]
+    fn queries_may_not_skip_unplanned_tokens() {
+        let mgr = manager(16, 4, |_| {});
+        mgr.allocate(1, &(1..=9).collect::<Vec<_>>(), None).unwrap();
+        let mut plan = Plan::new();
+        assert!(is_invalid(mgr.step(&[1], &[10], &mut plan)));
+        assert!(is_invalid(mgr.plan(&[1], &[1], &mut plan)));
+        assert!(is_invalid(mgr.plan(&[1], &[5], &mut plan)));
+        assert_eq!(mgr.num_tokens(1).unwrap(), 9);
+        assert_eq!(plan.batch_size(), 0);
+        mgr.check().unwrap();
+        // A chunked prefill: the first chunk, then the rest.
+        mgr.plan(&[1], &[9], &mut plan).unwrap();
+        mgr.append(1, &[10, 11, 12]).unwrap();
+        assert!(is_invalid(mgr.plan(&[1], &[1], &mut plan)));
+        assert!(is_invalid(mgr.step(&[1], &[13], &mut plan)));
+        mgr.plan(&[1], &[3], &mut plan).unwrap();
+        assert_eq!(plan.positions, vec![9, 10, 11]);
+        mgr.step(&[1], &[13], &mut plan).unwrap();
+        assert_eq!(plan.positions, vec![12]);
+        // Re-planning already planned tokens is allowed (a recomputation); its auto-commit
+        // confirms the step before it.
+        mgr.plan(&[1], &[13], &mut plan).unwrap();
+        assert_eq!(mgr.num_computed(1).unwrap(), 13);
+        mgr.check().unwrap();
+    }
+}

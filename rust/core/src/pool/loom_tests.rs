@@ -1,0 +1,127 @@
+//! Loom models of the pool's races: revival against eviction, sharing against the last
+//! release, allocation against release, reset against the last release.
+
+use super::*;
+use loom::sync::Arc;
+
+/// A pool whose blocks are all CACHED, LRU order 0, 1, ...
+fn all_cached(n: u32) -> BlockPool {
+    let pool = BlockPool::new(n).unwrap();
+    let blocks: Vec<_> = (0..n).map(|_| pool.allocate().unwrap()).collect();
+    for &b in &blocks {
+        pool.mark_hashed(b);
+        pool.release_block(b, 0);
+    }
+    pool
+}
+
+fn assert_consistent(pool: &BlockPool) {
+    let audit = pool.audit();
+    assert_eq!(audit.available, audit.free.len() + audit.cached.len());
+    assert_eq!(audit.num_cached, audit.cached.len());
+    for &b in &audit.free {
+        assert!(audit.states[b as usize].free());
+    }
+    for &b in &audit.cached {
+        assert!(audit.states[b as usize].cached());
+    }
+}
+
+#[test]
+fn revive_and_evict_never_both_win() {
+    loom::model(|| {
+        let pool = Arc::new(all_cached(2));
+        let seen = pool.state(0);
+        pool.reserve(2).unwrap();
+        let evictor = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || pool.take_reserved())
+        };
+        let revived = pool.acquire_hit(0, seen, 0);
+        let (evicted, was_cached) = evictor.join().unwrap();
+        assert!(was_cached);
+        match revived {
+            Some(hit) => {
+                assert_eq!(hit, Hit::Revived);
+                assert_eq!(evicted, 1, "the evictor must take the other block");
+                assert!(pool.state(0).hashed());
+            }
+            None => {
+                assert_eq!(evicted, 0);
+                assert!(!pool.state(0).hashed());
+                pool.unreserve(1);
+            }
+        }
+        assert_eq!(pool.state(0).refcount(), 1);
+        assert_consistent(&pool);
+    });
+}
+
+#[test]
+fn share_races_last_release() {
+    loom::model(|| {
+        let pool = Arc::new(BlockPool::new(1).unwrap());
+        let block = pool.allocate().unwrap();
+        pool.mark_hashed(block);
+        let seen = pool.state(block);
+        let owner = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || pool.release_block(block, 0))
+        };
+        let hit = pool.acquire_hit(block, seen, 0);
+        let released = owner.join().unwrap();
+        match hit {
+            Some(Hit::Shared) => {
+                assert_eq!(released, Released::Held);
+                assert_eq!(pool.state(block).refcount(), 1);
+            }
+            Some(Hit::Revived) => unreachable!("a held snapshot never revives"),
+            None => {
+                assert_eq!(released, Released::Cached);
+                assert!(pool.state(block).cached());
+            }
+        }
+        assert_consistent(&pool);
+    });
+}
+
+#[test]
+fn allocate_races_release() {
+    loom::model(|| {
+        let pool = Arc::new(BlockPool::new(1).unwrap());
+        let block = pool.allocate().unwrap();
+        let releaser = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || pool.release_block(block, 0))
+        };
+        let got = pool.allocate();
+        releaser.join().unwrap();
+        match got {
+            Some(b) => {
+                assert_eq!(b, block);
+                assert_eq!(pool.state(b).refcount(), 1);
+                assert_eq!(pool.available(), 0);
+            }
+            None => assert_eq!(pool.available(), 1),
+        }
+        assert_consistent(&pool);
+    });
+}
+
+#[test]
+fn reset_races_last_release() {
+    loom::model(|| {
+        let pool = Arc::new(BlockPool::new(1).unwrap());
+        let block = pool.allocate().unwrap();
+        pool.mark_hashed(block);
+        let owner = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || pool.release_block(block, 0))
+        };
+        pool.clear_hashes([block].into_iter());
+        owner.join().unwrap();
+        let state = pool.state(block);
+        assert!(state.free(), "reset leaves no block cached");
+        assert_consistent(&pool);
+    });
+}
