@@ -83,7 +83,7 @@ def test_write_accepts_plan_array_and_prepared_tensor() -> None:
     for arg in (Slots(slots, 2), slots, torch.from_numpy(slots)):
         cache = KVCache(1, 2, 2, 1, 2, dtype=torch.float32)
         prepared = cache.slot_tensor(arg)
-        assert prepared.dtype == torch.int64
+        assert prepared.slots.dtype == torch.int64
         cache.write(0, k, 2 * k, arg)
         results.append(cache.layer(0).clone())
     assert all(torch.equal(r, results[0]) for r in results)
