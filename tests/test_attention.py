@@ -141,9 +141,6 @@ class TestValidation:
         with pytest.raises(ValueError, match="CUDA"):
             PagedAttention(4, 4, 8, 16, backend="flashinfer", device="cpu")
 
-    def test_auto_picks_reference_on_cpu(self) -> None:
-        assert PagedAttention(4, 4, 8, 16).backend == "torch"
-
     def test_run_before_plan(self) -> None:
         cache = KVCache(1, 3, 4, 2, 8, dtype=torch.float32)
         with pytest.raises(RuntimeError, match="plan"):
@@ -338,13 +335,3 @@ def test_flashinfer_matches_reference(mix: str, cap: float | None) -> None:
     fi, ref = outs["flashinfer"], outs["torch"]
     assert not torch.isnan(fi).any()
     assert (fi - ref).norm() / ref.norm() < 1e-2
-
-
-@pytest.mark.cuda
-@requires_cuda
-def test_auto_picks_flashinfer_on_cuda() -> None:
-    pytest.importorskip("flashinfer")
-    assert (
-        PagedAttention(8, 8, 128, 16, device="cuda", dtype=torch.bfloat16).backend == "flashinfer"
-    )
-    assert PagedAttention(8, 8, 128, 16, device="cuda", dtype=torch.float32).backend == "torch"

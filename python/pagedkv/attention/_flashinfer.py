@@ -48,18 +48,21 @@ def import_flashinfer() -> ModuleType:
         ) from exc
 
 
+def check_spec(spec: AttentionSpec) -> None:
+    """Raise `ValueError` unless FlashInfer has kernels for `spec`'s device and dtype."""
+    if spec.device.type != "cuda":
+        raise ValueError(f"backend='flashinfer' needs a CUDA device, got {spec.device}")
+    if spec.dtype not in FLASHINFER_DTYPES:
+        raise ValueError(f"backend='flashinfer' supports float16 and bfloat16, got {spec.dtype}")
+
+
 class FlashInferBackend:
     """FlashInfer decode (tensor cores) for all-decode steps, paged prefill for the rest."""
 
     name = "flashinfer"
 
     def __init__(self, spec: AttentionSpec, workspace_bytes: int, graph_max_pages: int = 0) -> None:
-        if spec.device.type != "cuda":
-            raise ValueError(f"backend='flashinfer' needs a CUDA device, got {spec.device}")
-        if spec.dtype not in FLASHINFER_DTYPES:
-            raise ValueError(
-                f"backend='flashinfer' supports float16 and bfloat16, got {spec.dtype}"
-            )
+        check_spec(spec)
         self._fi = import_flashinfer()
         self._spec = spec
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=spec.device)
