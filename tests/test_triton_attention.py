@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np
-from attention_cases import MIXES, TOL, assert_close, expected_output, random_batch
+from attention_cases import MIXES, assert_close, expected_output, random_batch
 
 from pagedkv.attention import PagedAttention, plan_from_tables
 from pagedkv.kv_cache import KVCache
@@ -135,38 +135,3 @@ def test_triton_needs_cuda_or_the_interpreter(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ValueError, match="float64"):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         PagedAttention(4, 2, 16, 16, "triton", device="cpu", dtype=torch.float64)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replay_matches_eager() -> None:
-    hq, hkv, dim, bs, dtype = 32, 8, 128, 16, torch.bfloat16
-    attn = triton_attention(
-        hq, hkv, dim, bs, dtype, cuda_graph_batch_sizes=(8,), cuda_graph_max_pages=512
-    )
-    eager = triton_attention(hq, hkv, dim, bs, dtype)
-    cache = KVCache(1, 512, bs, hkv, dim, dtype, "cuda")
-    cache.layer(0).normal_()
-    rng = np.random.default_rng(1)
-    static_q = torch.zeros(8, hq, dim, dtype=dtype, device="cuda")
-
-    def plan_of(kv_lens: list[int]) -> object:
-        tables = [rng.permutation(512)[:64] for _ in kv_lens]
-        return plan_from_tables(tables, kv_lens, [1] * len(kv_lens), bs)
-
-    attn.plan(plan_of([100] * 8))
-    attn.run(static_q, cache, 0)  # warm up (compiles) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = attn.run(static_q, cache, 0)
-    for kv_lens in ([5, 900, 33, 1, 7, 600, 64, 16], [1000] * 6):
-        plan = plan_of(kv_lens)
-        attn.plan(plan)
-        q = torch.randn(len(kv_lens), hq, dim, dtype=dtype, device="cuda")
-        static_q.zero_()
-        static_q[: len(kv_lens)] = q
-        graph.replay()
-        eager.plan(plan)
-        want = eager.run(q, cache, 0)
-        atol, rtol = TOL[dtype]
-        torch.testing.assert_close(static_out[: len(kv_lens)], want, atol=atol, rtol=rtol)
