@@ -5,13 +5,14 @@ Run on a machine with the package registries (CI does, on every run):
 
     python3 scripts/device_kit.py            # -> dist/device-kit (at most 60 MiB)
 
-The kit holds the pagedkv abi3 wheel; FlashInfer as a .tar.xz of its unpacked files (CUDA
-sources of kernels other than its attention are dropped: they are only read when those kernels
-are compiled); the wheels of the modules FlashInfer imports that torch's environment may lack,
-for the device's Python and for this one (so CI can install the same kit); `gpu_check.py`; and
-the entry script `run_device_check.py`, which installs all that offline into a target folder
-and runs the check (see its docstring). Downloads and the repacked FlashInfer are cached under
-`~/.cache/pagedkv/device-kit` (keyed by version), so a rebuild costs only the pagedkv wheel.
+The kit holds the pagedkv abi3 wheel (manylinux2014, so any glibc 2.17+ loads it); FlashInfer
+as a .tar.xz of its unpacked files (CUDA sources of kernels other than its attention are
+dropped: they are only read when those kernels are compiled); the wheels of the modules
+FlashInfer imports that torch's environment may lack, for the device's Python and for this one
+(so CI can install the same kit); `gpu_check.py`; and the entry script `run_device_check.py`,
+which installs all that offline into a target folder and runs the check (see its docstring).
+Downloads, build tools and the repacked FlashInfer are cached under `~/.cache/pagedkv/device-kit`
+(keyed by version), so a rebuild costs only the pagedkv wheel.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -47,6 +49,8 @@ PURE = [
 COMPILED = ["apache-tvm-ffi==0.1.15.post2", "charset-normalizer==3.5.3"]
 # torch does not require numpy; the device may lack it, CI has it (pagedkv requires it).
 DEVICE_ONLY = ["numpy==2.3.5"]
+# Builds pagedkv's wheel with an old glibc baseline (see `pagedkv_wheel`).
+BUILD_TOOLS = ["maturin==1.16.0", "ziglang==0.15.2"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
 
@@ -118,23 +122,40 @@ def dependency_wheels(cache: Path) -> list[Path]:
     return sorted(w for w in dest.glob("*.whl") if w.name.split("-")[0].lower() in names)
 
 
+def pagedkv_wheel(dest: Path, cache: Path) -> None:
+    """Build pagedkv's abi3 wheel for manylinux2014 (glibc 2.17+), linking with zig.
+
+    A plain build links against this machine's glibc (2.34+ on current distributions), which
+    the GPU machine may not have; zig links against an old glibc's symbol versions instead.
+    """
+    tools = cache / f"tools-{hashlib.sha256(' '.join(BUILD_TOOLS).encode()).hexdigest()[:12]}"
+    if not (tools / "bin" / "maturin").exists():
+        run(
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--target",
+            str(tools),
+            *BUILD_TOOLS,
+        )
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(tools / "bin"), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tools), env.get("PYTHONPATH")]))
+    cmd = [str(tools / "bin" / "maturin"), "build", "--release", "--zig"]
+    cmd += ["--compatibility", "manylinux2014", "--interpreter", sys.executable, "--out", str(dest)]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+
+
 def build(out: Path, cache: Path) -> int:
     if out.exists():
         shutil.rmtree(out)
     wheels = out / "wheels"
     wheels.mkdir(parents=True)
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-deps",
-        "--wheel-dir",
-        str(wheels),
-        str(ROOT),
-    )
+    pagedkv_wheel(wheels, cache)
     for w in dependency_wheels(cache):
         shutil.copy2(w, wheels / w.name)
     shutil.copy2(flashinfer_archive(cache), out / f"flashinfer-{FLASHINFER}.tar.xz")
