@@ -134,19 +134,17 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def warm_up(backend: str) -> None:
+def warm_up(backend: str, seed: int) -> None:
     """Compile or load every kernel variant the check uses, and print how long that took."""
     t0 = time.perf_counter()
-    for cap in (None, 30.0):
-        for bs, group in ((BS, 4), (1, 1), (32, 8)):
-            cache = random_cache(64, bs, HKV)
-            attn = attention(backend, group, bs, logits_soft_cap=cap)
-            for q_lens in ([1, 1], [5, 1]):
-                plan = make_plan([40, 9], q_lens, bs, 64, seed=0)
-                attn.plan(plan)
-                attn.run(
-                    torch.randn(sum(q_lens), HKV * group, DIM, device="cuda", dtype=DTYPE), cache, 0
-                )
+    variants = {(c.bs, c.group, c.cap) for c in correctness_cases(np.random.default_rng(seed))}
+    for bs, group, cap in sorted(variants, key=str):
+        cache = random_cache(64, bs, HKV)
+        attn = attention(backend, group, bs, logits_soft_cap=cap)
+        for q_lens in ([1, 1], [5, 1]):  # a decode and a prefill step
+            attn.plan(make_plan([40, 9], q_lens, bs, 64, seed=0))
+            q = torch.randn(sum(q_lens), HKV * group, DIM, device="cuda", dtype=DTYPE)
+            attn.run(q, cache, 0)
     torch.cuda.synchronize()
     print(f"compile/load time {backend}: {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -341,7 +339,7 @@ def main() -> int:
     record("d2d copy", "-", "4 GiB, read+write", f"{copy_bw / 1e9:.0f} GB/s", None)
     for backend in backends:
         try:
-            warm_up(backend)
+            warm_up(backend, args.seed)
         except Exception as exc:  # report it as a failed row, go on with the other backends
             record(
                 "build", backend, "compile + first run", f"{type(exc).__name__}: {exc}"[:160], False
