@@ -1,27 +1,19 @@
 """`backend="triton"` against dense attention, and its CUDA-graph buckets.
 
-Without CUDA the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, set here before the
-kernel module is first imported), so CI executes the exact kernel code on the CPU; shapes are
+Without CUDA the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, set by conftest.py
+before Triton is first imported), so CI executes the exact kernel code on the CPU; shapes are
 small to keep that fast. With CUDA the same tests run the compiled kernel.
 """
 
 from __future__ import annotations
 
-import os
-
+import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import numpy as np
 from attention_cases import MIXES, assert_close, expected_output, random_batch
 
 from pagedkv.attention import PagedAttention, plan_from_tables
 from pagedkv.kv_cache import KVCache
-
-pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -213,6 +213,11 @@ class PagedAttention:
 
     def _check_cache(self, cache: KVCache, step: StepPlan) -> None:
         spec = self.spec
+        if cache.block_size != step.block_size:
+            raise ValueError(
+                f"the cache has block_size={cache.block_size} but the plan has "
+                f"block_size={step.block_size}"
+            )
         if (cache.block_size, cache.num_kv_heads, cache.head_dim) != (
             spec.block_size,
             spec.num_kv_heads,
