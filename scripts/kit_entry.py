@@ -7,9 +7,9 @@
 
 Needs nothing from the network: FlashInfer is unpacked from the kit's .tar.xz, and of the
 dependency wheels only those whose module this Python cannot import already are installed (with
-pip, `--no-index --no-deps`), so torch's own environment is used as it is. The target folder is
-put first on PYTHONPATH for the check. FlashInfer compiles its kernels on first use (nvcc,
-ninja); gpu_check prints that compile time on its own line.
+pip, `--no-index --no-deps`, or unzipped where pip is missing), so torch's own environment is
+used as it is. The target folder is put first on PYTHONPATH for the check. FlashInfer compiles
+its kernels on first use (nvcc, ninja); gpu_check prints that compile time on its own line.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from pathlib import Path
 
 KIT = Path(__file__).resolve().parent
@@ -65,15 +66,33 @@ def install(target: Path) -> None:
             or importlib.util.find_spec(MODULES[w.name.split("-")[0]] or "") is None
         }
     )
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    cmd += ["--no-index", "--no-deps", "--find-links", str(KIT / "wheels"), "--target", str(target)]
-    subprocess.run([*cmd, *wanted], check=True)
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode:
+        unzip_wheels(wanted, target)
+    else:
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        cmd += ["--no-index", "--no-deps", "--find-links", str(KIT / "wheels")]
+        subprocess.run([*cmd, "--target", str(target), *wanted], check=True)
     stamp.write_text(manifest)
     print(
         f"installed FlashInfer and {', '.join(wanted)} into {target} "
         f"in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
+
+
+def unzip_wheels(names: list[str], target: Path) -> None:
+    """Install wheels without pip: unzip each (none of the kit's has a .data folder)."""
+    py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    for name in names:
+        fits = [
+            w
+            for w in (KIT / "wheels").glob(f"{name}-*.whl")
+            if w.name.split("-")[-3] in (py, "py3", "py2.py3") or w.name.split("-")[-2] == "abi3"
+        ]
+        if not fits:
+            raise SystemExit(f"the kit has no wheel of {name} for {py}")
+        with zipfile.ZipFile(fits[0]) as zf:
+            zf.extractall(target)
 
 
 def environment(target: Path) -> dict[str, str]:
