@@ -24,9 +24,12 @@ from pagedkv.attention._staging import PlanStaging
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-BLOCK_N = 64
 BLOCK_M_DECODE = 16
-BLOCK_M_PREFILL = 64
+# Key positions per loop step and prefill rows per program for rows (head_dim padded to a power
+# of two) of up to 256 bytes; wider rows take proportionally fewer (at least 16), so a program's
+# tiles stay within the shared memory of every sm80+ GPU (about 100 KiB on sm86/sm89).
+BLOCK_N, BLOCK_M_PREFILL = 64, 64
+ROW_BYTES = 256
 
 
 def import_triton_kernel() -> ModuleType:
@@ -38,6 +41,13 @@ def import_triton_kernel() -> ModuleType:
             "backend='triton' needs Triton, which ships with torch's CUDA wheels "
             "(or pip install triton)"
         ) from exc
+
+
+def tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """`(BLOCK_D, BLOCK_N, prefill BLOCK_M)` of the kernel for this head_dim and dtype."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    shrink = max(1, block_d * dtype.itemsize // ROW_BYTES)
+    return block_d, max(16, BLOCK_N // shrink), max(16, BLOCK_M_PREFILL // shrink)
 
 
 def tiles(q_lens: np.ndarray, group: int, block_m: int) -> tuple[IntArray, IntArray]:
@@ -106,7 +116,7 @@ class TritonBackend:
         self._graph_max_pages = graph_max_pages
         self._graphs: dict[int, _GraphBuffers] = {}
         self._step: _DeviceStep | None = None
-        self._block_d = max(16, 1 << (spec.head_dim - 1).bit_length())
+        self._block_d, self._block_n, self._block_m_prefill = tile_sizes(spec.head_dim, spec.dtype)
         self._dot_fp32 = triton_interpreter() and spec.dtype == torch.bfloat16
         exact = spec.dtype == torch.float32 or self._dot_fp32
         self._precision = "ieee" if exact else "tf32"
@@ -125,7 +135,7 @@ class TritonBackend:
                 d[: h.shape[0]].copy_(h, non_blocking=True)
             self._step = dst
         else:
-            block_m = BLOCK_M_DECODE if step.is_decode else BLOCK_M_PREFILL
+            block_m = BLOCK_M_DECODE if step.is_decode else self._block_m_prefill
             seq, row = tiles(step.q_lens, self._spec.group_size, block_m)
             arrays = (step.qo_indptr, step.kv_indptr, step.kv_indices, kv_lens, seq, row)
             qo, indptr, indices, lens, tseq, trow = self._staging.upload(
@@ -167,7 +177,7 @@ class TritonBackend:
             HEAD_DIM=spec.head_dim,
             BLOCK_D=self._block_d,
             BLOCK_M=st.block_m,
-            BLOCK_N=BLOCK_N,
+            BLOCK_N=self._block_n,
             HAS_CAP=cap is not None,
             PRECISION=self._precision,
             DOT_FP32=self._dot_fp32,
