@@ -335,3 +335,26 @@ def test_flashinfer_matches_reference(mix: str, cap: float | None) -> None:
     fi, ref = outs["flashinfer"], outs["torch"]
     assert not torch.isnan(fi).any()
     assert (fi - ref).norm() / ref.norm() < 1e-2
+
+
+def test_plan_from_tables_matches_the_manager() -> None:
+    from pagedkv import BlockManager
+    from pagedkv.attention import random_tables
+
+    mgr = BlockManager(32, 4)
+    mgr.allocate(1, list(range(9)))
+    mgr.allocate(2, list(range(50, 53)))
+    real = mgr.plan([1, 2], [9, 3])
+    tables = [mgr.block_table(1), mgr.block_table(2)]
+    built = plan_from_tables(tables, [9, 3], [9, 3], 4)
+    for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "qo_indptr", "slot_mapping"):
+        assert np.array_equal(getattr(built, name), getattr(real, name)), name
+    assert np.array_equal(built.positions, real.positions)
+    with pytest.raises(ValueError, match="1 <= q_len <= kv_len"):
+        plan_from_tables([[0]], [3], [4], 4)
+    with pytest.raises(ValueError, match="shorter"):
+        plan_from_tables([[0]], [5], [1], 4)
+    with pytest.raises(ValueError, match="the pool has 2"):
+        random_tables([9], 4, 2, seed=0)
+    spread = random_tables([9, 1], 4, 10, seed=0)
+    assert [len(t) for t in spread] == [3, 1] and len(set(np.concatenate(spread))) == 4
