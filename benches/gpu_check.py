@@ -1,78 +1,94 @@
-"""GPU check for pagedkv's attention: FlashInfer against the torch reference, then decode speed.
+"""GPU check for pagedkv's attention: every GPU backend against the reference, then speed.
 
-Meant for one lent GPU (written for an H200) and a few minutes:
+Meant for one lent GPU (written for an H200) and a few minutes. For each backend (FlashInfer and
+Triton by default) it measures:
 
-1. correctness: FlashInfer decode and prefill (plain, chunked, mixed; GQA 1/4/8; block sizes
-   1/16/32; soft cap and a custom scale) against the torch reference on the same plan, random
-   bfloat16 data; fails on a NaN or a relative error (L2) above the bound;
-2. no device sync in `plan`: planning while the GPU is busy must return before the GPU is done;
-3. decode timing at batch 64 and 256 with contexts 1K, 4K and 16K (32 query heads, 8 KV heads,
-   head_dim 128, block 16): time per call and achieved KV-read bandwidth, against a
-   device-to-device copy measured in the same run;
-4. plan overhead per step (host time of `PagedAttention.plan`).
+1. kernel compile / load time (JIT), printed on its own before the table;
+2. correctness: decode and prefill (plain, chunked, mixed; GQA 1/4/8; block sizes 1/16/32; soft
+   cap and a custom scale) against the torch reference on the same plan, random bfloat16 data;
+   fails on a NaN or a relative error (L2) above the bound;
+3. no device sync in `plan`, for a decode and a prefill step: planning while the GPU is busy
+   must return before the GPU is done;
+4. CUDA-graph decode: `run` captured for batch-size buckets, replayed after new plans, against
+   eager `run` on the same plans;
+5. decode speed at batch 64 and 256 with contexts 1K, 4K and 16K (32 query heads, 8 KV heads,
+   head_dim 128, block 16): a loop of calls timed between one pair of events, as KV-read
+   bandwidth against a device-to-device copy measured in the same run;
+6. host time of `plan` per step (decode and mixed).
 
-Run: ``python benches/gpu_check.py`` (``--quick`` skips the 16K contexts). Exit status 0 only
-when every check passes. Plans are built here with numpy in the exact layout `BlockManager.plan`
-returns, so the check needs no manager state.
+Everything lands in one table; the exit status is 0 only when every check passes. Run:
+``python benches/gpu_check.py`` (``--quick`` skips the 16K contexts and shortens loops;
+``--backends triton`` picks backends). Plans come from `plan_from_tables` on random tables, in
+the exact layout `BlockManager.plan` returns, so the check needs no manager state.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
-from pagedkv.attention import PagedAttention
+from pagedkv.attention import PagedAttention, TablePlan, plan_from_tables, random_tables
 from pagedkv.kv_cache import KVCache
 
 HQ, HKV, DIM, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 REL_ERR_BOUND = 1e-2
+BACKENDS = ("flashinfer", "triton")
 
 
 @dataclass
-class ArrayPlan:
-    """The fields of `pagedkv.Plan` that attention reads, built with numpy."""
+class Row:
+    """One line of the result table; `ok` is None for a measurement that cannot fail."""
 
-    kv_indptr: npt.NDArray[np.int32]
-    kv_indices: npt.NDArray[np.int32]
-    kv_last_page_len: npt.NDArray[np.int32]
-    qo_indptr: npt.NDArray[np.int32]
+    check: str
+    backend: str
+    case: str
+    value: str
+    ok: bool | None
+
+
+ROWS: list[Row] = []
+
+
+def record(check: str, backend: str, case: str, value: str, ok: bool | None) -> None:
+    ROWS.append(Row(check, backend, case, value, ok))
+    status = "" if ok is None else ("PASS" if ok else "FAIL")
+    print(f"  {status:4s} {check} {backend} {case}: {value}", file=sys.stderr, flush=True)
 
 
 def make_plan(
-    kv_lens: Sequence[int], q_lens: Sequence[int], bs: int, num_blocks: int, seed: int
-) -> ArrayPlan:
-    """Sequences on distinct, randomly chosen blocks (vectorised: 256 x 16K builds in ms)."""
-    kv = np.asarray(kv_lens, dtype=np.int64)
-    pages = (kv + bs - 1) // bs
-    nnz = int(pages.sum())
-    if nnz > num_blocks:
-        raise ValueError(f"plan needs {nnz} blocks, the cache has {num_blocks}")
-    indices = np.random.default_rng(seed).permutation(num_blocks)[:nnz]
-    indptr = np.concatenate([[0], np.cumsum(pages)])
-    qo = np.concatenate([[0], np.cumsum(np.asarray(q_lens, dtype=np.int64))])
-    return ArrayPlan(
-        kv_indptr=indptr.astype(np.int32),
-        kv_indices=indices.astype(np.int32),
-        kv_last_page_len=(kv - (pages - 1) * bs).astype(np.int32),
-        qo_indptr=qo.astype(np.int32),
-    )
+    kv_lens: list[int], q_lens: list[int], bs: int, num_blocks: int, seed: int
+) -> TablePlan:
+    """Sequences on distinct, randomly chosen blocks of a `num_blocks` pool."""
+    return plan_from_tables(random_tables(kv_lens, bs, num_blocks, seed), kv_lens, q_lens, bs)
 
 
 def random_cache(num_blocks: int, bs: int, hkv: int) -> KVCache:
     cache = KVCache(1, num_blocks, bs, hkv, DIM, dtype=DTYPE, device="cuda")
     cache.layer(0).normal_()
     return cache
+
+
+def attention(backend: str, group: int = HQ // HKV, bs: int = BS, **kw: object) -> PagedAttention:
+    return PagedAttention(
+        HKV * group,
+        HKV,
+        DIM,
+        bs,
+        backend,
+        device="cuda",
+        dtype=DTYPE,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 @dataclass(frozen=True)
@@ -115,171 +131,263 @@ def correctness_cases(rng: np.random.Generator) -> list[Case]:
     return cases
 
 
-def check_correctness(seed: int) -> bool:
-    rng = np.random.default_rng(seed)
-    ok = True
-    print(f"correctness: FlashInfer vs torch reference, {DTYPE}, bound {REL_ERR_BOUND:g}")
-    for case in correctness_cases(rng):
-        hkv, hq = HKV, HKV * case.group
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def prebuild_flashinfer_modules() -> None:
+    """JIT-compile FlashInfer's two attention modules the check uses (without and with soft cap)
+    at the same time rather than one after the other, each with its own parallel ninja.
+
+    Best effort: `_gen_batch_prefill_primary_module` is what FlashInfer 0.7's FA2 wrappers
+    build (decode with tensor cores included) for a cache whose K and V strides are equal; on
+    any error, or another version, the first `plan` builds whatever it needs.
+    """
+    try:
+        from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
+
+        specs = [
+            _gen_batch_prefill_primary_module(
+                "fa2", DTYPE, DTYPE, DTYPE, torch.int32, DIM, DIM, 0, False, cap, False
+            )
+            for cap in (False, True)
+        ]
+        with ThreadPoolExecutor(len(specs)) as pool:
+            list(pool.map(lambda spec: spec.build_and_load(), specs))
+    except Exception as exc:
+        print(f"prebuilding FlashInfer's modules skipped ({exc!r}); plan() builds them", flush=True)
+
+
+def warm_up(backend: str, seed: int) -> None:
+    """Compile or load every kernel variant the check uses, and print how long that took."""
+    t0 = time.perf_counter()
+    if backend == "flashinfer":
+        prebuild_flashinfer_modules()
+    variants = {(c.bs, c.group, c.cap) for c in correctness_cases(np.random.default_rng(seed))}
+    for bs, group, cap in sorted(variants, key=str):
+        cache = random_cache(64, bs, HKV)
+        attn = attention(backend, group, bs, logits_soft_cap=cap)
+        for q_lens in ([1, 1], [5, 1]):  # a decode and a prefill step
+            attn.plan(make_plan([40, 9], q_lens, bs, 64, seed=0))
+            q = torch.randn(sum(q_lens), HKV * group, DIM, device="cuda", dtype=DTYPE)
+            attn.run(q, cache, 0)
+    torch.cuda.synchronize()
+    print(f"compile/load time {backend}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def check_correctness(backend: str, seed: int) -> None:
+    for case in correctness_cases(np.random.default_rng(seed)):
+        hq = HKV * case.group
         num_blocks = sum(math.ceil(k / case.bs) for k in case.kv_lens) + 64
-        cache = random_cache(num_blocks, case.bs, hkv)
+        cache = random_cache(num_blocks, case.bs, HKV)
         plan = make_plan(case.kv_lens, case.q_lens, case.bs, num_blocks, seed)
         q = torch.randn(sum(case.q_lens), hq, DIM, device="cuda", dtype=DTYPE)
         outs = {}
-        for backend in ("flashinfer", "torch"):
-            attn = PagedAttention(
-                hq,
-                hkv,
-                DIM,
-                case.bs,
-                backend,
-                device="cuda",
-                dtype=DTYPE,
-                logits_soft_cap=case.cap,
-                sm_scale=case.sm_scale,
+        for name in (backend, "torch"):
+            attn = attention(
+                name, case.group, case.bs, logits_soft_cap=case.cap, sm_scale=case.sm_scale
             )
             attn.plan(plan)
-            outs[backend] = attn.run(q, cache, 0).float()
-        fi, ref = outs["flashinfer"], outs["torch"]
-        finite = bool(torch.isfinite(fi).all())
-        rel = float((fi - ref).norm() / ref.norm())
-        max_abs = float((fi - ref).abs().max())
-        passed = finite and rel <= REL_ERR_BOUND
-        ok &= passed
-        print(
-            f"  {'PASS' if passed else 'FAIL'} {case.name:24s} B={len(case.kv_lens):3d} "
-            f"tokens={sum(case.q_lens):5d} hq/hkv={hq}/{hkv} bs={case.bs:2d} "
-            f"rel_l2={rel:.2e} max_abs={max_abs:.2e}{'' if finite else ' NON-FINITE'}"
-        )
+            outs[name] = attn.run(q, cache, 0)
+        finite = bool(torch.isfinite(outs[backend]).all())
+        rel = rel_error(outs[backend], outs["torch"])
+        shape = f"B={len(case.kv_lens)} tok={sum(case.q_lens)} g={case.group} bs={case.bs}"
+        value = f"rel_l2 {rel:.1e}" + ("" if finite else " NON-FINITE")
+        record("correct", backend, f"{case.name} ({shape})", value, finite and rel <= REL_ERR_BOUND)
         del cache
-    return ok
 
 
-def cuda_time(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    """Median seconds per call of `fn`, timed with CUDA events."""
+def spin_cycles_per_second() -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / (start.elapsed_time(end) / 1e3)
+
+
+def check_no_sync_in_plan(backend: str) -> None:
+    """Plan while a ~200 ms kernel runs: a plan that synchronised would take that long."""
+    cycles = spin_cycles_per_second()
+    mixed_kv = [4096] * 32
+    for mode, plan in (
+        ("decode", make_plan([4096] * 64, [1] * 64, BS, 64 * 256, seed=1)),
+        ("prefill", make_plan(mixed_kv, [1 if i % 2 else 256 for i in range(32)], BS, 32 * 256, 2)),
+    ):
+        attn = attention(backend)
+        attn.plan(plan)  # first plan: loads kernels, sizes buffers
+        attn.plan(plan)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(0.2 * cycles))  # keep the GPU busy for about 200 ms
+        t0 = time.perf_counter()
+        attn.plan(plan)  # may wait only for the previous plan's event, which precedes the sleep
+        host = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        remaining = time.perf_counter() - t1
+        value = f"plan {host * 1e3:.2f} ms, GPU still busy {remaining * 1e3:.0f} ms"
+        record("plan no-sync", backend, mode, value, host < 0.05 and remaining > 0.05)
+
+
+def check_cuda_graphs(backend: str) -> None:
+    """Capture decode `run` per bucket, replay after new plans, compare with eager."""
+    buckets, max_pages = (8, 64), 64 * 200
+    num_blocks = max_pages + 64
+    cache = random_cache(num_blocks, BS, HKV)
+    graphed = attention(backend, cuda_graph_batch_sizes=buckets, cuda_graph_max_pages=max_pages)
+    eager = attention(backend)
+    rng = np.random.default_rng(7)
+    for bucket in buckets:
+        static_q = torch.zeros(bucket, HQ, DIM, device="cuda", dtype=DTYPE)
+        graphed.plan(make_plan([100] * bucket, [1] * bucket, BS, num_blocks, seed=bucket))
+        graphed.run(static_q, cache, 0)  # warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = graphed.run(static_q, cache, 0)
+        for trial in range(3):
+            batch = int(rng.integers(bucket // 2 + 1, bucket + 1))
+            kv_lens = [int(x) for x in rng.integers(1, 3000, batch)]
+            plan = make_plan(kv_lens, [1] * batch, BS, num_blocks, seed=trial)
+            graphed.plan(plan)
+            ok_bucket = graphed.graph_batch_size == bucket
+            q = torch.randn(batch, HQ, DIM, device="cuda", dtype=DTYPE)
+            static_q.zero_()
+            static_q[:batch] = q
+            graph.replay()
+            eager.plan(plan)
+            want = eager.run(q, cache, 0)
+            rel = rel_error(static_out[:batch], want)
+            record(
+                "cuda graph",
+                backend,
+                f"bucket {bucket}, batch {batch}",
+                f"rel_l2 vs eager {rel:.1e}",
+                ok_bucket and rel <= REL_ERR_BOUND,
+            )
+
+
+def loop_seconds(fn: Callable[[], object], calls: int, warmup: int = 3) -> float:
+    """Seconds per call of `fn`: `calls` calls between one pair of events (launch overhead of
+    each call overlaps the previous one, as in a real decode loop)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return float(statistics.median(times))
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting the bytes read plus written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t = cuda_time(lambda: dst.copy_(src), reps=10)
+    t = loop_seconds(lambda: dst.copy_(src), calls=10)
     return 2 * nbytes / t
 
 
-def check_no_sync_in_plan() -> bool:
-    """Plan while a ~200 ms kernel runs: a plan that synchronised would take that long."""
-    num_blocks = 64 * 256
-    plan = make_plan([4096] * 64, [1] * 64, BS, num_blocks, seed=1)
-    attn = PagedAttention(HQ, HKV, DIM, BS, "flashinfer", device="cuda", dtype=DTYPE)
-    attn.plan(plan)  # compiles / loads kernels outside the measurement
-    probe = 10_000_000
-    per_cycle = cuda_time(lambda: torch.cuda._sleep(probe), reps=3, warmup=1) / probe
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(0.2 / per_cycle))  # keep the GPU busy for about 200 ms
-    t0 = time.perf_counter()
-    attn.plan(plan)  # waits only for the previous plan's event, which precedes the sleep
-    host = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    remaining = time.perf_counter() - t1
-    passed = host < 0.05 and remaining > 0.05
-    print(
-        f"no device sync in plan: {'PASS' if passed else 'FAIL'} "
-        f"(plan took {host * 1e3:.2f} ms while the GPU still had {remaining * 1e3:.0f} ms to go)"
-    )
-    return passed
-
-
-def bench_decode(quick: bool) -> None:
+def bench_decode(backend: str, quick: bool, copy_bw: float) -> None:
     contexts = [1024, 4096] if quick else [1024, 4096, 16384]
     batches = [64, 256]
-    max_tokens = max(batches) * max(contexts)
-    num_blocks = max_tokens // BS
+    calls = 20 if quick else 50
+    num_blocks = max(batches) * max(contexts) // BS
     cache = random_cache(num_blocks, BS, HKV)
-    gib = cache.nbytes / 2**30
-    copy_bw = copy_bandwidth()
-    print(f"\ndecode: {HQ}/{HKV} heads, head_dim {DIM}, block {BS}, {DTYPE}, cache {gib:.1f} GiB")
-    print(f"device-to-device copy (read + write): {copy_bw / 1e9:8.1f} GB/s")
-    print(
-        f"{'batch':>6} {'context':>8} {'us/call':>9} {'KV GB/s':>9} {'vs copy':>8} {'plan us':>8}"
-    )
-    attn = PagedAttention(HQ, HKV, DIM, BS, "flashinfer", device="cuda", dtype=DTYPE)
+    attn = attention(backend)
     for batch in batches:
         for ctx in contexts:
             plan = make_plan([ctx] * batch, [1] * batch, BS, num_blocks, seed=ctx + batch)
             q = torch.randn(batch, HQ, DIM, device="cuda", dtype=DTYPE)
             attn.plan(plan)
-
-            def run(q: torch.Tensor = q) -> torch.Tensor:
-                return attn.run(q, cache, 0)
-
-            t = cuda_time(run, reps=20)
+            t = loop_seconds(lambda q=q: attn.run(q, cache, 0), calls)
             kv_bytes = batch * ctx * 2 * HKV * DIM * cache.layer(0).element_size()
             bw = kv_bytes / t
-            plan_us = plan_overhead(attn, plan)
-            print(
-                f"{batch:6d} {ctx:8d} {t * 1e6:9.1f} {bw / 1e9:9.1f} {bw / copy_bw:8.2f} "
-                f"{plan_us:8.1f}"
-            )
+            case = f"batch {batch} ctx {ctx // 1024}K"
+            speed = f"{t * 1e6:.0f} us, {bw / 1e9:.0f} GB/s = {bw / copy_bw:.2f} x copy"
+            record("decode bw", backend, case, speed, None)
+            us = plan_host_seconds(attn, plan) * 1e6
+            record("plan host", backend, f"decode {case}", f"{us:.0f} us", None)
 
 
-def plan_overhead(attn: PagedAttention, plan: ArrayPlan, reps: int = 30) -> float:
-    """Median host microseconds of one `plan` call (validation, uploads, FlashInfer's plan)."""
+def plan_host_seconds(attn: PagedAttention, plan: TablePlan, reps: int = 30) -> float:
+    """Median host seconds of one `plan` call (validation, uploads, the backend's own plan)."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         attn.plan(plan)
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return float(np.median(times))
 
 
-def bench_prefill_plan() -> None:
+def bench_mixed_plan(backend: str) -> None:
     rng = np.random.default_rng(3)
     kv = [int(x) for x in rng.integers(64, 4096, 64)]
     q = [1 if i % 4 else min(k, 512) for i, k in enumerate(kv)]
     num_blocks = sum(math.ceil(k / BS) for k in kv) + 16
-    plan = make_plan(kv, q, BS, num_blocks, seed=3)
-    attn = PagedAttention(HQ, HKV, DIM, BS, "flashinfer", device="cuda", dtype=DTYPE)
-    attn.plan(plan)
-    us = plan_overhead(attn, plan)
-    print(f"plan overhead, mixed batch of 64 ({sum(q)} query tokens): {us:.1f} us")
+    attn = attention(backend)
+    us = plan_host_seconds(attn, make_plan(kv, q, BS, num_blocks, seed=3)) * 1e6
+    record("plan host", backend, f"mixed batch 64 ({sum(q)} query tokens)", f"{us:.0f} us", None)
+
+
+def print_table() -> None:
+    headers = ("check", "backend", "case", "result", "status")
+    cells = [
+        (r.check, r.backend, r.case, r.value, "" if r.ok is None else ("PASS" if r.ok else "FAIL"))
+        for r in ROWS
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    print(line.format(*headers))
+    print(line.format(*("-" * w for w in widths)))
+    for c in cells:
+        print(line.format(*c).rstrip())
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="pagedkv GPU check (FlashInfer vs reference)")
+    parser = argparse.ArgumentParser(description="pagedkv GPU check (backends vs reference)")
     parser.add_argument("--quick", action="store_true", help="skip the 16K contexts")
+    parser.add_argument(
+        "--backends", default=",".join(BACKENDS), help="comma-separated, from: flashinfer, triton"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)
         return 2
-    try:
-        flashinfer = importlib.import_module("flashinfer")
-    except ImportError as exc:
-        print(f"FlashInfer does not import ({exc}); see the README for wheels", file=sys.stderr)
-        return 2
-    print(
-        f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-        f"flashinfer {flashinfer.__version__}"
-    )
+    backends = [b for b in args.backends.split(",") if b]
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
-    ok = check_correctness(args.seed)
-    ok &= check_no_sync_in_plan()
-    bench_decode(args.quick)
-    bench_prefill_plan()
+    usable = []
+    copy_bw = copy_bandwidth()
+    record("d2d copy", "-", "4 GiB, read+write", f"{copy_bw / 1e9:.0f} GB/s", None)
+    for backend in backends:
+        try:
+            warm_up(backend, args.seed)
+        except Exception as exc:  # report it as a failed row, go on with the other backends
+            record(
+                "build", backend, "compile + first run", f"{type(exc).__name__}: {exc}"[:160], False
+            )
+        else:
+            usable.append(backend)
+    for backend in usable:
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("correct", partial(check_correctness, backend, args.seed)),
+            ("plan no-sync", partial(check_no_sync_in_plan, backend)),
+            ("cuda graph", partial(check_cuda_graphs, backend)),
+            ("plan host", partial(bench_mixed_plan, backend)),
+            ("decode bw", partial(bench_decode, backend, args.quick, copy_bw)),
+        ]
+        for name, step in steps:
+            try:
+                step()
+            except Exception as exc:  # a failed row; the other checks still run
+                record(name, backend, "raised", f"{type(exc).__name__}: {exc}"[:160], False)
+    print()
+    print_table()
+    ok = bool(usable) and all(r.ok is not False for r in ROWS)
     verdict = "ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED"
     print(f"\n{verdict} in {time.perf_counter() - t0:.0f} s")
     return 0 if ok else 1

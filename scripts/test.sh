@@ -39,6 +39,16 @@ python3 -m ruff format --check python tests benches examples
 python3 -m mypy
 python3 -m mypy.stubtest pagedkv._core
 
+# The kit a lent GPU machine (no network) runs: built with cached downloads, checked against its
+# 60 MiB limit, installed offline into an empty folder and imported; the FlashInfer signature
+# test then reads FlashInfer from there.
+step "device kit: build, size check, offline install into a clean target, import flashinfer + pagedkv"
+KIT_TARGET="$(mktemp -d)"
+trap 'rm -rf "$KIT_TARGET"' EXIT
+python3 scripts/device_kit.py --out dist/device-kit
+python3 dist/device-kit/run_device_check.py --install-only --target "$KIT_TARGET"
+export PAGEDKV_FLASHINFER_SITE="$KIT_TARGET"
+
 step "benchmark smoke run (figures only; targets are reported, not enforced)"
 python3 benches/bench_step.py --quick
 python3 benches/bench_tier.py --quick

@@ -6,7 +6,14 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 from redis_server import RedisServer, start_redis_server
+
+# Triton chooses its CPU interpreter when it is first imported (it builds its standard library
+# then), so the choice is made here, before any test module can import it: without CUDA, the
+# Triton kernel tests (test_triton_attention.py) run on the CPU in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -11,174 +11,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_cases import (
+    MIXES,
+    assert_close,
+    dense_attention,
+    expected_output,
+    full_plan,
+    random_batch,
+)
 
-from pagedkv.attention import PagedAttention
+from pagedkv.attention import PagedAttention, TablePlan, plan_from_tables
 from pagedkv.kv_cache import KVCache
-
-TOL = {
-    torch.float32: (2e-5, 2e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-}
-
-
-@dataclass
-class HandPlan:
-    """A plan with the `pagedkv.Plan` field names, built in the test from block tables."""
-
-    kv_indptr: npt.NDArray[np.int32]
-    kv_indices: npt.NDArray[np.int32]
-    kv_last_page_len: npt.NDArray[np.int32]
-    qo_indptr: npt.NDArray[np.int32]
-    slot_mapping: npt.NDArray[np.int32]
-    positions: npt.NDArray[np.int32]
-    block_size: int
-    block_tables: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros((0, 0), np.int32))
-
-
-def make_plan(
-    tables: Sequence[Sequence[int]], kv_lens: Sequence[int], q_lens: Sequence[int], bs: int
-) -> HandPlan:
-    """The plan `BlockManager.plan` would return for these block tables (see SEMANTICS.md)."""
-    indptr, indices, last, qo, slots, positions = [0], [], [], [0], [], []
-    for table, kv_len, q_len in zip(tables, kv_lens, q_lens, strict=True):
-        n = math.ceil(kv_len / bs)
-        indices += list(table[:n])
-        indptr.append(indptr[-1] + n)
-        last.append(kv_len - (n - 1) * bs)
-        qo.append(qo[-1] + q_len)
-        for p in range(kv_len - q_len, kv_len):
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-    width = max(len(t) for t in tables)
-    padded = np.full((len(tables), width), -1, np.int32)
-    for b, t in enumerate(tables):
-        padded[b, : len(t)] = t
-
-    def i32(xs: list[int]) -> npt.NDArray[np.int32]:
-        return np.asarray(xs, dtype=np.int32)
-
-    return HandPlan(
-        i32(indptr), i32(indices), i32(last), i32(qo), i32(slots), i32(positions), bs, padded
-    )
-
-
-def full_plan(tables: Sequence[Sequence[int]], kv_lens: Sequence[int], bs: int) -> HandPlan:
-    """A plan whose queries are every KV token: its slot_mapping writes whole sequences."""
-    return make_plan(tables, kv_lens, kv_lens, bs)
-
-
-def dense_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
-    """Causal (bottom-right) attention of `q` `[q, hq, d]` over `k`, `v` `[kv, hkv, d]`, fp64."""
-    q_len, kv_len = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    qh = q.double().transpose(0, 1)  # [hq, q, d]
-    kh = k.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    vh = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    i = torch.arange(q_len)[:, None]
-    j = torch.arange(kv_len)[None, :]
-    mask = j <= kv_len - q_len + i
-    if soft_cap is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    else:
-        logits = soft_cap * torch.tanh(qh @ kh.transpose(1, 2) * scale / soft_cap)
-        out = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ vh
-    return out.transpose(0, 1)
-
-
-@dataclass
-class Batch:
-    """Random dense K/V placed in a paged cache, and the step plan that queries it."""
-
-    cache: KVCache
-    plan: HandPlan
-    q: torch.Tensor
-    dense_k: list[torch.Tensor]  # per sequence, per layer 0
-    dense_v: list[torch.Tensor]
-    q_lens: list[int]
-
-
-def random_batch(
-    seed: int,
-    shapes: Sequence[tuple[int, int]],
-    *,
-    hq: int,
-    hkv: int,
-    dim: int,
-    bs: int,
-    dtype: torch.dtype,
-    shared_prefix_blocks: int = 0,
-) -> Batch:
-    """Sequences `(kv_len, q_len)` on randomly permuted blocks; optionally sharing prefix blocks.
-
-    With `shared_prefix_blocks = s`, every sequence long enough reuses sequence 0's first `s`
-    physical blocks and their K/V, as a prefix cache hit would.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    needed = sum(math.ceil(kv / bs) for kv, _ in shapes) + 3
-    num_blocks = needed + 5
-    order = [int(x) for x in rng.permutation(num_blocks)]
-    tables: list[list[int]] = []
-    dense_k: list[torch.Tensor] = []
-    dense_v: list[torch.Tensor] = []
-    for b, (kv_len, _) in enumerate(shapes):
-        n = math.ceil(kv_len / bs)
-        k = torch.randn(kv_len, hkv, dim, generator=gen).to(dtype)
-        v = torch.randn(kv_len, hkv, dim, generator=gen).to(dtype)
-        shared = min(shared_prefix_blocks, (kv_len - 1) // bs, shapes[0][0] // bs) if b else 0
-        table = tables[0][:shared] if shared else []
-        if shared:
-            k[: shared * bs] = dense_k[0][: shared * bs]
-            v[: shared * bs] = dense_v[0][: shared * bs]
-        table = table + [order.pop() for _ in range(n - shared)]
-        tables.append(table)
-        dense_k.append(k)
-        dense_v.append(v)
-    cache = KVCache(1, num_blocks, bs, hkv, dim, dtype=dtype)
-    kv_lens = [kv for kv, _ in shapes]
-    cache.write(0, torch.cat(dense_k), torch.cat(dense_v), full_plan(tables, kv_lens, bs))
-    q_lens = [q for _, q in shapes]
-    plan = make_plan(tables, kv_lens, q_lens, bs)
-    q = torch.randn(sum(q_lens), hq, dim, generator=gen).to(dtype)
-    return Batch(cache, plan, q, dense_k, dense_v, q_lens)
-
-
-def expected_output(batch: Batch, scale: float, soft_cap: float | None = None) -> torch.Tensor:
-    outs = []
-    offset = 0
-    for k, v, q_len in zip(batch.dense_k, batch.dense_v, batch.q_lens, strict=True):
-        outs.append(dense_attention(batch.q[offset : offset + q_len], k, v, scale, soft_cap))
-        offset += q_len
-    return torch.cat(outs)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not torch.isnan(actual).any()
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
-
-
-MIXES = {
-    "decode": [(37, 1), (1, 1), (64, 1), (5, 1)],
-    "prefill": [(13, 13), (1, 1), (40, 40)],
-    "chunked": [(50, 7), (33, 33), (17, 16)],
-    "mixed": [(70, 1), (21, 21), (45, 9), (2, 1), (16, 16), (3, 2)],
-}
-
 
 # Every batch shape in float32; the half-precision dtypes on the mixed batch, which has them all.
 DTYPE_MIXES = [(torch.float32, mix) for mix in sorted(MIXES)] + [
@@ -246,7 +93,7 @@ def test_one_plan_serves_every_layer() -> None:
         v = torch.randn(9, hkv, dim, generator=gen)
         cache.write(layer, k, v, full_plan(tables, kv_lens, bs))
         dense[layer] = (k, v)
-    plan = make_plan(tables, kv_lens, q_lens, bs)
+    plan = plan_from_tables(tables, kv_lens, q_lens, bs)
     attn = PagedAttention(2, hkv, dim, bs, backend="torch", dtype=torch.float32)
     attn.plan(plan)
     q = torch.randn(3, 2, dim, generator=gen)
@@ -277,8 +124,8 @@ class TestValidation:
     def attn(self) -> PagedAttention:
         return PagedAttention(4, 2, 8, 4, backend="torch", dtype=torch.float32)
 
-    def plan(self) -> HandPlan:
-        return make_plan([[0, 1], [2]], [6, 3], [2, 1], 4)
+    def plan(self) -> TablePlan:
+        return plan_from_tables([[0, 1], [2]], [6, 3], [2, 1], 4)
 
     def test_constructor(self) -> None:
         with pytest.raises(ValueError, match="multiple of num_kv_heads"):
@@ -293,9 +140,6 @@ class TestValidation:
             PagedAttention(4, 4, 8, 16, sm_scale=-1.0)
         with pytest.raises(ValueError, match="CUDA"):
             PagedAttention(4, 4, 8, 16, backend="flashinfer", device="cpu")
-
-    def test_auto_picks_reference_on_cpu(self) -> None:
-        assert PagedAttention(4, 4, 8, 16).backend == "torch"
 
     def test_run_before_plan(self) -> None:
         cache = KVCache(1, 3, 4, 2, 8, dtype=torch.float32)
@@ -493,11 +337,24 @@ def test_flashinfer_matches_reference(mix: str, cap: float | None) -> None:
     assert (fi - ref).norm() / ref.norm() < 1e-2
 
 
-@pytest.mark.cuda
-@requires_cuda
-def test_auto_picks_flashinfer_on_cuda() -> None:
-    pytest.importorskip("flashinfer")
-    assert (
-        PagedAttention(8, 8, 128, 16, device="cuda", dtype=torch.bfloat16).backend == "flashinfer"
-    )
-    assert PagedAttention(8, 8, 128, 16, device="cuda", dtype=torch.float32).backend == "torch"
+def test_plan_from_tables_matches_the_manager() -> None:
+    from pagedkv import BlockManager
+    from pagedkv.attention import random_tables
+
+    mgr = BlockManager(32, 4)
+    mgr.allocate(1, list(range(9)))
+    mgr.allocate(2, list(range(50, 53)))
+    real = mgr.plan([1, 2], [9, 3])
+    tables = [mgr.block_table(1), mgr.block_table(2)]
+    built = plan_from_tables(tables, [9, 3], [9, 3], 4)
+    for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "qo_indptr", "slot_mapping"):
+        assert np.array_equal(getattr(built, name), getattr(real, name)), name
+    assert np.array_equal(built.positions, real.positions)
+    with pytest.raises(ValueError, match="1 <= q_len <= kv_len"):
+        plan_from_tables([[0]], [3], [4], 4)
+    with pytest.raises(ValueError, match="shorter"):
+        plan_from_tables([[0]], [5], [1], 4)
+    with pytest.raises(ValueError, match="the pool has 2"):
+        random_tables([9], 4, 2, seed=0)
+    spread = random_tables([9, 1], 4, 10, seed=0)
+    assert [len(t) for t in spread] == [3, 1] and len(set(np.concatenate(spread))) == 4

@@ -83,7 +83,7 @@ def test_write_accepts_plan_array_and_prepared_tensor() -> None:
     for arg in (Slots(slots, 2), slots, torch.from_numpy(slots)):
         cache = KVCache(1, 2, 2, 1, 2, dtype=torch.float32)
         prepared = cache.slot_tensor(arg)
-        assert prepared.dtype == torch.int64
+        assert prepared.slots.dtype == torch.int64
         cache.write(0, k, 2 * k, arg)
         results.append(cache.layer(0).clone())
     assert all(torch.equal(r, results[0]) for r in results)
@@ -177,6 +177,61 @@ def test_swap_validates() -> None:
         gpu.swap_out(gpu, pairs((0, 1)))
 
 
+def test_copy_blocks_uploads_all_pairs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagedkv.kv_cache as kv_cache
+
+    uploads = []
+    real = kv_cache.upload_ints
+    monkeypatch.setattr(kv_cache, "upload_ints", lambda a, d: uploads.append(a.shape) or real(a, d))
+    cache = filled(KVCache(2, 6, 2, 1, 4, dtype=torch.float32), seed=5)
+    before = cache.layer(1).clone()
+    cache.copy_blocks(pairs((0, 1), (1, 2), (3, 0)))  # a chain: applied pair by pair
+    assert uploads == [(3, 2)]
+    assert torch.equal(cache.layer(1)[2], before[0]) and torch.equal(cache.layer(1)[0], before[3])
+
+
+def test_prepared_slots_are_uploaded_once_for_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagedkv.kv_cache as kv_cache
+
+    uploads = []
+    real = kv_cache.upload_ints
+    monkeypatch.setattr(kv_cache, "upload_ints", lambda a, d: uploads.append(a.shape) or real(a, d))
+    bs = 4
+    cache = KVCache(3, 5, bs, 2, 8, dtype=torch.float32)
+    slots = np.array([19, 0, 6], dtype=np.int32)
+    index = cache.slot_tensor(Slots(slots, bs))
+    # Rows of [heads, dim]: K of slot s at 2 * (s // bs) * bs + s % bs, V one block further.
+    assert index.k_rows.tolist() == [35, 0, 10] and index.v_rows.tolist() == [39, 4, 14]
+    k = torch.randn(3, 2, 8)
+    for layer in range(3):
+        cache.write(layer, k, -k, index)
+        assert torch.equal(cache.layer(layer)[4, 0, 3], k[0])
+        assert torch.equal(cache.layer(layer)[1, 1, 2], -k[2])
+    assert uploads == [(3,)]
+    with pytest.raises(ValueError, match="another cache"):
+        KVCache(1, 5, 2, 2, 8, dtype=torch.float32).write(0, k, k, index)
+
+
+def test_swap_merges_runs_and_matches_pairwise_copies() -> None:
+    from pagedkv.kv_cache import _runs
+
+    runs = _runs(pairs((4, 0), (5, 1), (6, 2), (9, 7), (1, 3)))
+    assert runs == [(4, 0, 3), (1, 3, 1), (9, 7, 1)]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(0, 12))
+        src = rng.permutation(16)[:n]
+        dst = np.sort(rng.permutation(12)[:n]) if rng.random() < 0.5 else rng.permutation(12)[:n]
+        gpu = filled(KVCache(2, 16, 2, 1, 4, dtype=torch.float32), seed=int(n))
+        cpu = KVCache(2, 12, 2, 1, 4, dtype=torch.float32)
+        transfer = gpu.swap_out(cpu, np.stack([src, dst], axis=1))
+        assert transfer.done()
+        transfer.wait()
+        for layer in range(2):
+            for s_id, d_id in zip(src, dst, strict=True):
+                assert torch.equal(cpu.layer(layer)[d_id], gpu.layer(layer)[s_id])
+
+
 def read_sequence(cache: KVCache, table: npt.NDArray[np.int32], num_tokens: int) -> torch.Tensor:
     """The K/V of a sequence's tokens, `[layers, tokens, 2, heads, dim]`, through its table."""
     t = torch.from_numpy(np.asarray(table, dtype=np.int64))
@@ -243,10 +298,11 @@ def test_cuda_write_copy_and_swap_with_pinned_cpu_cache(dtype: torch.dtype) -> N
         gpu.write(layer, k, -k, Slots(slots, 16))
     gpu.copy_blocks(pairs((0, 5)))
     original = [gpu.layer(i).clone() for i in range(2)]
-    gpu.swap_out(cpu, pairs(*[(i, 7 - i) for i in range(8)]))
+    out = gpu.swap_out(cpu, pairs(*[(i, 7 - i) for i in range(8)]))
+    assert out.event is not None  # asynchronous through the pinned cache
     for i in range(2):
-        gpu.layer(i).zero_()
-    gpu.swap_in(cpu, pairs(*[(7 - i, i) for i in range(8)]))
+        gpu.layer(i).zero_()  # ordered after the copies on the stream
+    gpu.swap_in(cpu, pairs(*[(7 - i, i) for i in range(8)])).wait()
     for i in range(2):
         assert torch.equal(gpu.layer(i), original[i])
     assert torch.equal(original[0][5], original[0][0])

@@ -20,6 +20,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from pagedkv._device import resolve_device, upload_ints
+
 
 class HasSlotMapping(Protocol):
     """Anything with a `slot_mapping` and the `block_size` it is for (a `pagedkv.Plan`)."""
@@ -36,6 +38,21 @@ class HasSlotMapping(Protocol):
 Slots = HasSlotMapping | npt.NDArray[Any] | torch.Tensor
 
 
+class SlotIndex:
+    """A step's slots on the cache's device, with the rows `write` stores K and V at.
+
+    Seen as rows of `[num_kv_heads, head_dim]`, block `b` of a layer holds its K tokens in rows
+    `2 * b * block_size ..` and its V tokens in the `block_size` rows after them.
+    """
+
+    def __init__(self, slots: torch.Tensor, block_size: int) -> None:
+        self.slots = slots
+        self.block_size = block_size
+        block = torch.div(slots, block_size, rounding_mode="floor")
+        self.k_rows = block * block_size + slots  # 2 * block * bs + slot % bs
+        self.v_rows = self.k_rows + block_size
+
+
 def check_block_size(plan: object, block_size: int, consumer: str) -> None:
     """Raise `ValueError` unless `plan` carries `block_size`: its slots and pages mean other
     positions under another block size, so using it would be silently wrong."""
@@ -46,14 +63,6 @@ def check_block_size(plan: object, block_size: int, consumer: str) -> None:
         raise ValueError(
             f"the plan has block_size={planned} but {consumer} has block_size={block_size}"
         )
-
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    """`device` with the current CUDA index filled in, so equal devices compare equal."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 def _pairs(name: str, pairs: npt.NDArray[Any], src_blocks: int, dst_blocks: int) -> np.ndarray:
@@ -136,12 +145,17 @@ class KVCache:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         return self._layers[layer]
 
-    def slot_tensor(self, slots: Slots) -> torch.Tensor:
-        """Slots as an int64 tensor on this cache's device; validated when given on the host.
+    def slot_tensor(self, slots: Slots | SlotIndex) -> SlotIndex:
+        """Slots prepared for `write` on this cache's device; validated when given on the host.
 
-        Call it once per step and pass the result to every layer's `write` to convert only once.
-        A device tensor is taken as is: checking its values would cost a device sync.
+        Call it once per step and pass the result to every layer's `write`: the conversion, the
+        upload (pinned, without a device sync) and the row arithmetic then happen once per
+        step. A device tensor is taken as is: checking its values would cost a device sync.
         """
+        if isinstance(slots, SlotIndex):
+            if slots.slots.device != self.device or slots.block_size != self.block_size:
+                raise ValueError("these slots were prepared for another cache")
+            return slots
         if isinstance(slots, torch.Tensor):
             if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
                 raise ValueError(
@@ -152,7 +166,7 @@ class KVCache:
                 return self.slot_tensor(slots.numpy())
             if slots.device != self.device:
                 raise ValueError(f"slots are on {slots.device}, the cache on {self.device}")
-            return slots.to(torch.int64)
+            return SlotIndex(slots.to(torch.int64), self.block_size)
         if isinstance(slots, np.ndarray):
             arr = slots
         elif hasattr(slots, "slot_mapping"):
@@ -172,15 +186,13 @@ class KVCache:
                 f"slot_mapping values must lie in [0, {self.num_slots}), "
                 f"got [{int(arr.min())}, {int(arr.max())}]"
             )
-        # A pageable host source is staged before the copy call returns, so the caller may reuse
-        # the array right away and no device sync happens.
-        return torch.from_numpy(arr.astype(np.int64)).to(self.device, non_blocking=True)
+        return SlotIndex(upload_ints(arr.astype(np.int64), self.device), self.block_size)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: Slots) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: Slots | SlotIndex) -> None:
         """Store new tokens' `k` and `v` (`[tokens, num_kv_heads, head_dim]`) at their slots.
 
-        `slots` is a `Plan` (its `slot_mapping` is used), a numpy array, or a tensor from
-        `slot_tensor`.
+        `slots` is a `Plan` (its `slot_mapping` is used), a numpy array, or what `slot_tensor`
+        returned (the fast path: K and V are then one indexed store each).
         """
         expected = (self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
@@ -195,13 +207,13 @@ class KVCache:
                 )
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
-        slot = self.slot_tensor(slots)
-        if slot.shape[0] != k.shape[0]:
-            raise ValueError(f"{slot.shape[0]} slots for {k.shape[0]} tokens")
-        blocks = torch.div(slot, self.block_size, rounding_mode="floor")
-        offsets = slot % self.block_size
-        # Advanced indices around a slice put the token dimension first: [tokens, 2, heads, dim].
-        self.layer(layer)[blocks, :, offsets] = torch.stack((k, v), dim=1)
+        index = self.slot_tensor(slots)
+        if index.slots.shape[0] != k.shape[0]:
+            raise ValueError(f"{index.slots.shape[0]} slots for {k.shape[0]} tokens")
+        # The layer as rows of [heads, dim]: block b's K rows, then its V rows.
+        rows = self.layer(layer).view(-1, self.num_kv_heads, self.head_dim)
+        rows.index_copy_(0, index.k_rows, k)
+        rows.index_copy_(0, index.v_rows, v)
 
     def copy_blocks(self, pairs: npt.NDArray[Any]) -> None:
         """Apply copy-on-write pairs `(src, dst)` (a plan's `copies`), in order.
@@ -215,10 +227,11 @@ class KVCache:
             return
         src, dst = arr[:, 0], arr[:, 1]
         independent = np.unique(dst).size == dst.size and not np.isin(dst, src).any()
-        groups = [arr] if independent else [arr[i : i + 1] for i in range(arr.shape[0])]
+        # One upload for all pairs, pinned and asynchronous: no device sync per step or pair.
+        ids = upload_ints(arr, self.device)
+        groups = [ids] if independent else [ids[i : i + 1] for i in range(arr.shape[0])]
         for group in groups:
-            s = torch.from_numpy(group[:, 0]).to(self.device)
-            d = torch.from_numpy(group[:, 1]).to(self.device)
+            s, d = group[:, 0], group[:, 1]
             for t in self._layers:
                 t[d] = t[s]
 
@@ -309,13 +322,41 @@ class KVCache:
             )
         return ids
 
-    def swap_out(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> None:
-        """Copy this cache's blocks to `cpu_cache` by the `(gpu, cpu)` pairs of `swap_out`."""
-        _copy_between(self, cpu_cache, pairs, "swap_out pairs")
+    def swap_out(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> Transfer:
+        """Copy this cache's blocks to `cpu_cache` by the `(gpu, cpu)` pairs of `swap_out`.
 
-    def swap_in(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> None:
-        """Copy `cpu_cache`'s blocks into this cache by the `(cpu, gpu)` pairs of `swap_in`."""
-        _copy_between(cpu_cache, self, pairs, "swap_in pairs")
+        The copies are enqueued without a device sync (asynchronous when `cpu_cache` is
+        pinned). Later work on the current stream, including the writes that reuse the GPU
+        blocks after `confirm_swap_out` and a later `swap_in` of the CPU blocks, runs after
+        them, so the engine may confirm at once; code that reads the CPU blocks on the host or
+        from another stream waits on the returned `Transfer` first.
+        """
+        return _copy_between(self, cpu_cache, pairs, "swap_out pairs")
+
+    def swap_in(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> Transfer:
+        """Copy `cpu_cache`'s blocks into this cache by the `(cpu, gpu)` pairs of `swap_in`.
+
+        Enqueued like `swap_out`: the next forward pass on the current stream reads them after
+        the copies, so `confirm_swap_in` may follow at once. Until the returned `Transfer` is
+        done the CPU blocks are still being read: keep host code from rewriting them.
+        """
+        return _copy_between(cpu_cache, self, pairs, "swap_in pairs")
+
+
+class Transfer:
+    """Block copies enqueued on the current CUDA stream (or already done on the CPU)."""
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        """True once every copy has landed."""
+        return self.event is None or bool(self.event.query())  # type: ignore[no-untyped-call]
+
+    def wait(self) -> None:
+        """Block the host until every copy has landed."""
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class HostBlocks:
@@ -332,8 +373,13 @@ class HostBlocks:
         return self.data
 
 
-def _copy_between(src: KVCache, dst: KVCache, pairs: npt.NDArray[Any], name: str) -> None:
-    """Copy whole blocks `src[p[0]] -> dst[p[1]]` for every pair `p`, every layer."""
+def _copy_between(src: KVCache, dst: KVCache, pairs: npt.NDArray[Any], name: str) -> Transfer:
+    """Copy whole blocks `src[p[0]] -> dst[p[1]]` for every pair `p`, every layer.
+
+    Pairs are sorted and merged into runs of consecutive blocks on both sides; each run is one
+    copy per layer straight between the two caches (a block is contiguous in each), enqueued
+    with `non_blocking=True`, and one event is recorded after the last layer.
+    """
     same = (src.num_layers, src.block_size, src.num_kv_heads, src.head_dim, src.dtype)
     other = (dst.num_layers, dst.block_size, dst.num_kv_heads, dst.head_dim, dst.dtype)
     if same != other:
@@ -343,13 +389,25 @@ def _copy_between(src: KVCache, dst: KVCache, pairs: npt.NDArray[Any], name: str
     if src is dst:
         raise ValueError(f"{name}: source and destination are the same cache; use copy_blocks")
     arr = _pairs(name, pairs, src.num_blocks, dst.num_blocks)
-    if arr.shape[0] == 0:
-        return
     if np.unique(arr[:, 1]).size != arr.shape[0]:
         raise ValueError(f"{name}: a destination block appears twice")
-    s = torch.from_numpy(arr[:, 0]).to(src.device)
-    d = torch.from_numpy(arr[:, 1]).to(dst.device)
+    runs = _runs(arr)
     for layer in range(src.num_layers):
-        # Blocking transfer: a device-to-host copy must land before the CPU-side scatter reads
-        # it, and swaps are rare enough that overlapping them is not worth the risk.
-        dst.layer(layer)[d] = src.layer(layer)[s].to(dst.device)
+        s_t, d_t = src.layer(layer), dst.layer(layer)
+        for s0, d0, n in runs:
+            d_t[d0 : d0 + n].copy_(s_t[s0 : s0 + n], non_blocking=True)
+    cuda = next((c.device for c in (src, dst) if c.device.type == "cuda"), None)
+    if cuda is None or not runs:
+        return Transfer(None)
+    return Transfer(torch.cuda.current_stream(cuda).record_event())
+
+
+def _runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:
+    """`(src, dst, n)` runs covering `pairs`: `src + i -> dst + i` for `i < n`."""
+    if pairs.shape[0] == 0:
+        return []
+    p = pairs[np.argsort(pairs[:, 1], kind="stable")]
+    breaks = np.flatnonzero((np.diff(p[:, 0]) != 1) | (np.diff(p[:, 1]) != 1)) + 1
+    starts = np.concatenate([[0], breaks])
+    lengths = np.diff(np.concatenate([starts, [p.shape[0]]]))
+    return [(int(p[i, 0]), int(p[i, 1]), int(n)) for i, n in zip(starts, lengths, strict=True)]

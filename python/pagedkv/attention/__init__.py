@@ -1,6 +1,15 @@
-"""Paged attention over a `KVCache`: FlashInfer on CUDA, a vectorised torch reference anywhere."""
+"""Paged attention over a `KVCache`: FlashInfer or Triton on CUDA, a torch reference anywhere."""
 
 from pagedkv.attention._paged import BackendName, PagedAttention
 from pagedkv.attention._plan import PlanLike, StepPlan
+from pagedkv.attention._tables import TablePlan, plan_from_tables, random_tables
 
-__all__ = ["BackendName", "PagedAttention", "PlanLike", "StepPlan"]
+__all__ = [
+    "BackendName",
+    "PagedAttention",
+    "PlanLike",
+    "StepPlan",
+    "TablePlan",
+    "plan_from_tables",
+    "random_tables",
+]

@@ -1,10 +1,19 @@
 """Paged attention through FlashInfer's batch decode and batch prefill wrappers.
 
 FlashInfer is optional: it is imported only when this backend is built, so `import pagedkv` never
-needs it. One float workspace buffer is shared by both wrappers (a step uses exactly one of them,
-and steps are ordered on the stream). `plan` hands FlashInfer the indptr and last-page lengths as
-host tensors, so FlashInfer's own planning reads them without a device sync, and the page indices
-as a device tensor uploaded through `_IndexRing`.
+needs it. One float workspace buffer is shared by every wrapper (a step uses exactly one, and
+steps are ordered on the stream). `plan` hands FlashInfer the indptr and last-page lengths as
+pinned host tensors (FlashInfer derives its schedule from them on the CPU and uploads them with
+asynchronous copies) and the page indices as a device tensor, all through `PlanStaging`, and
+passes `non_blocking=True`, so planning never waits for the device.
+
+Both wrappers run FlashInfer's FA2 kernels (`backend="fa2"`): the tensor-core decode and the
+prefill then share one compiled module per dtype, head_dim and soft-cap setting, so a machine
+that JIT-compiles builds the fewest kernels, and no path silently moves to another kernel family.
+
+CUDA graphs: decode steps padded to a batch-size bucket use one more decode wrapper per bucket,
+built with `use_cuda_graph=True` and fixed indptr / indices / last-page buffers, so a `run`
+captured in a graph reads whatever the latest `plan` for that bucket wrote.
 """
 
 from __future__ import annotations
@@ -13,14 +22,19 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 
-from pagedkv.attention._plan import IntArray, StepPlan
+from pagedkv.attention._plan import StepPlan
 from pagedkv.attention._spec import AttentionSpec
+from pagedkv.attention._staging import PlanStaging
 
-DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+# FA2 split-KV prefill with 64 query / 8 KV heads, head_dim 128 on 132+ SMs needs about
+# 132-155 MiB of float workspace; 384 MiB leaves room for larger models.
+DEFAULT_WORKSPACE_BYTES = 384 * 1024 * 1024
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+# head_dims FlashInfer ships prebuilt kernels for; any other one is compiled with nvcc.
+PREBUILT_HEAD_DIMS = (64, 128, 256)
+KERNELS = "fa2"
 
 
 def import_flashinfer() -> ModuleType:
@@ -34,46 +48,12 @@ def import_flashinfer() -> ModuleType:
         ) from exc
 
 
-def flashinfer_available() -> bool:
-    """True when FlashInfer imports."""
-    try:
-        import_flashinfer()
-    except ImportError:
-        return False
-    return True
-
-
-class _IndexRing:
-    """Two pinned host buffers and two device buffers for page indices, used in turn.
-
-    Step N writes the pair step N-2 used; `FlashInferBackend.plan` makes sure the GPU is past
-    step N-2 first. Each upload is an asynchronous copy from pinned memory.
-    """
-
-    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
-        self._device = device
-        self._host = [self._pinned(capacity), self._pinned(capacity)]
-        self._dev = [self._on_device(capacity), self._on_device(capacity)]
-        self._turn = 0
-
-    @staticmethod
-    def _pinned(n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.int32, pin_memory=True)
-
-    def _on_device(self, n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.int32, device=self._device)
-
-    def upload(self, indices: IntArray) -> torch.Tensor:
-        """Copy `indices` to the device; return the device view that holds them."""
-        self._turn ^= 1
-        t, n = self._turn, int(indices.shape[0])
-        if n > self._host[t].shape[0]:
-            size = max(n, 2 * self._host[t].shape[0])
-            self._host[t], self._dev[t] = self._pinned(size), self._on_device(size)
-        np.copyto(self._host[t][:n].numpy(), indices)
-        dst = self._dev[t][:n]
-        dst.copy_(self._host[t][:n], non_blocking=True)
-        return dst
+def check_spec(spec: AttentionSpec) -> None:
+    """Raise `ValueError` unless FlashInfer has kernels for `spec`'s device and dtype."""
+    if spec.device.type != "cuda":
+        raise ValueError(f"backend='flashinfer' needs a CUDA device, got {spec.device}")
+    if spec.dtype not in FLASHINFER_DTYPES:
+        raise ValueError(f"backend='flashinfer' supports float16 and bfloat16, got {spec.dtype}")
 
 
 class FlashInferBackend:
@@ -81,49 +61,57 @@ class FlashInferBackend:
 
     name = "flashinfer"
 
-    def __init__(self, spec: AttentionSpec, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:
-        if spec.device.type != "cuda":
-            raise ValueError(f"backend='flashinfer' needs a CUDA device, got {spec.device}")
-        if spec.dtype not in FLASHINFER_DTYPES:
-            raise ValueError(
-                f"backend='flashinfer' supports float16 and bfloat16, got {spec.dtype}"
-            )
-        fi = import_flashinfer()
+    def __init__(self, spec: AttentionSpec, workspace_bytes: int, graph_max_pages: int = 0) -> None:
+        check_spec(spec)
+        self._fi = import_flashinfer()
         self._spec = spec
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=spec.device)
-        self._decode: Any = fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=True
+        self._decode: Any = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=True, backend=KERNELS
         )
-        self._prefill: Any = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._indices = _IndexRing(spec.device)
+        self._prefill: Any = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend=KERNELS
+        )
+        self._graph_max_pages = graph_max_pages
+        self._graph_decode: dict[int, Any] = {}
+        self._staging = PlanStaging(spec.device)
         self._active: Any = None
-        self._planned: torch.cuda.Event | None = None
 
-    def plan(self, step: StepPlan) -> None:
-        """Plan the decode or the prefill wrapper for this step.
+    def _graph_wrapper(self, batch: int) -> Any:
+        """The decode wrapper with fixed buffers for padded batch size `batch`."""
+        wrapper = self._graph_decode.get(batch)
+        if wrapper is None:
+            dev = self._spec.device
 
-        Nothing here waits for the device except one event: the one recorded after the previous
-        step's plan. Once the GPU passes it, the step before that has finished (so the index
-        buffers it read may be rewritten) and the previous plan's own uploads, ours and those
-        FlashInfer makes from its pinned buffer, have landed (so that buffer may be rewritten).
-        So the host blocks only when it gets more than one step ahead of the GPU.
+            def buf(n: int) -> torch.Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=dev)
+
+            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=buf(batch + 1),
+                paged_kv_indices_buffer=buf(self._graph_max_pages),
+                paged_kv_last_page_len_buffer=buf(batch),
+                backend=KERNELS,
+            )
+            self._graph_decode[batch] = wrapper
+        return wrapper
+
+    def plan(self, step: StepPlan, graph: bool) -> None:
+        """Plan the decode or the prefill wrapper for this step (see the module docstring).
+
+        With `graph`, `step` is a decode step already padded to a bucket size.
         """
         spec = self._spec
-        if self._planned is not None:
-            self._planned.synchronize()
-        indices = self._indices.upload(step.kv_indices)
-        # Host tensors: FlashInfer derives its schedule from them on the CPU and copies them to
-        # the device itself; pageable sources are staged by the driver before the call returns.
-        indptr = torch.from_numpy(step.kv_indptr)
-        last = torch.from_numpy(step.kv_last_page_len)
-        common: dict[str, Any] = {
-            "logits_soft_cap": spec.logits_soft_cap,
-            "sm_scale": spec.sm_scale,
-            "q_data_type": spec.dtype,
-            "kv_data_type": spec.dtype,
-        }
         if step.is_decode:
-            self._decode.plan(
+            indptr, last, indices_host = self._staging.stage(
+                (step.kv_indptr, step.kv_last_page_len, step.kv_indices)
+            )
+            indices = self._staging.upload((indptr, last, indices_host))[2]
+            wrapper = self._graph_wrapper(step.batch_size) if graph else self._decode
+            wrapper.plan(
                 indptr,
                 indices,
                 last,
@@ -131,13 +119,16 @@ class FlashInferBackend:
                 spec.num_kv_heads,
                 spec.head_dim,
                 spec.block_size,
-                pos_encoding_mode="NONE",
-                **common,
+                **self._common_kwargs(),
             )
-            self._active = self._decode
         else:
-            self._prefill.plan(
-                torch.from_numpy(step.qo_indptr),
+            qo, indptr, last, indices_host = self._staging.stage(
+                (step.qo_indptr, step.kv_indptr, step.kv_last_page_len, step.kv_indices)
+            )
+            indices = self._staging.upload((qo, indptr, last, indices_host))[3]
+            wrapper = self._prefill
+            wrapper.plan(
+                qo,
                 indptr,
                 indices,
                 last,
@@ -146,11 +137,22 @@ class FlashInferBackend:
                 spec.head_dim,
                 spec.block_size,
                 causal=True,
-                pos_encoding_mode="NONE",
-                **common,
+                **self._common_kwargs(),
             )
-            self._active = self._prefill
-        self._planned = torch.cuda.current_stream(spec.device).record_event()
+        self._staging.finish()
+        self._active = wrapper
+
+    def _common_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments both wrappers' `plan` take (names checked against FlashInfer)."""
+        spec = self._spec
+        return {
+            "pos_encoding_mode": "NONE",
+            "logits_soft_cap": spec.logits_soft_cap,
+            "sm_scale": spec.sm_scale,
+            "q_data_type": spec.dtype,
+            "kv_data_type": spec.dtype,
+            "non_blocking": True,
+        }
 
     def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Run the planned wrapper on one layer's NHD cache tensor."""

@@ -1,30 +1,29 @@
-"""`PagedAttention`: plan once per step, run per layer, on FlashInfer or the torch reference."""
+"""`PagedAttention`: plan once per step, run per layer, on FlashInfer, Triton or torch."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import torch
 
-from pagedkv.attention._flashinfer import (
-    DEFAULT_WORKSPACE_BYTES,
-    FLASHINFER_DTYPES,
-    FlashInferBackend,
-    flashinfer_available,
-)
+from pagedkv._device import resolve_device
+from pagedkv.attention._flashinfer import DEFAULT_WORKSPACE_BYTES, FlashInferBackend
 from pagedkv.attention._plan import PlanLike, StepPlan
 from pagedkv.attention._reference import TorchReference
+from pagedkv.attention._select import PREFERENCE, unfit_reason
 from pagedkv.attention._spec import AttentionSpec
-from pagedkv.kv_cache import KVCache, resolve_device
+from pagedkv.attention._triton import TritonBackend
+from pagedkv.kv_cache import KVCache
 
-BackendName = Literal["auto", "flashinfer", "torch"]
+BackendName = Literal["auto", "flashinfer", "triton", "torch"]
 
 
 class _Backend(Protocol):
     name: str
 
-    def plan(self, step: StepPlan) -> None: ...
+    def plan(self, step: StepPlan, graph: bool) -> None: ...
 
     def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor: ...
 
@@ -36,11 +35,17 @@ class PagedAttention:
     batches, with GQA. Query token `i` of a sequence with `q_len` queries and `kv_len` KV tokens
     sees KV positions `0 ..= kv_len - q_len + i` (causal mask aligned bottom-right).
 
-    `backend="flashinfer"` runs FlashInfer (CUDA, float16/bfloat16), `"torch"` the vectorised
-    reference (any device and float dtype), and `"auto"` FlashInfer when the device is CUDA, the
-    dtype is supported and FlashInfer imports, the reference otherwise. `sm_scale` defaults to
+    `backend="flashinfer"` runs FlashInfer (CUDA, float16/bfloat16), `"triton"` this package's
+    Triton kernel (CUDA, float16/bfloat16/float32), `"torch"` the vectorised reference (any
+    device and float dtype), and `"auto"` the first of those three that fits the device, dtype
+    and head_dim and builds; `backend_reason` says why it was picked. `sm_scale` defaults to
     `1 / sqrt(head_dim)`; `logits_soft_cap`, when given, maps logits `x` to `cap * tanh(x / cap)`
     after scaling.
+
+    CUDA graphs: with `cuda_graph_batch_sizes`, a decode step of at most the largest size and
+    at most `cuda_graph_max_pages` pages is padded to the smallest size that holds it and
+    planned into fixed buffers, so `run` may be captured once per size and replayed after each
+    later `plan`; `graph_batch_size` then gives the padded size, the rows `q` must have.
 
     >>> attn = PagedAttention(8, 2, 64, 16, device="cpu", dtype=torch.float32)
     >>> attn.backend
@@ -60,12 +65,15 @@ class PagedAttention:
         sm_scale: float | None = None,
         logits_soft_cap: float | None = None,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        cuda_graph_batch_sizes: Sequence[int] = (),
+        cuda_graph_max_pages: int = 0,
     ) -> None:
         for name, value in (
             ("num_qo_heads", num_qo_heads),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
             ("block_size", block_size),
+            ("workspace_bytes", workspace_bytes),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -81,6 +89,12 @@ class PagedAttention:
             math.isfinite(logits_soft_cap) and logits_soft_cap > 0
         ):
             raise ValueError(f"logits_soft_cap must be positive and finite, got {logits_soft_cap}")
+        sizes = sorted(set(cuda_graph_batch_sizes))
+        if sizes and (sizes[0] < 1 or cuda_graph_max_pages < 1):
+            raise ValueError(
+                "cuda_graph_batch_sizes must be >= 1 and cuda_graph_max_pages >= 1, got "
+                f"{list(cuda_graph_batch_sizes)} and {cuda_graph_max_pages}"
+            )
         self.spec = AttentionSpec(
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
@@ -91,41 +105,92 @@ class PagedAttention:
             dtype=dtype,
             device=resolve_device(device),
         )
-        self._impl: _Backend
+        self._graph_sizes = sizes
+        self._graph_max_pages = cuda_graph_max_pages
+        self._workspace_bytes = workspace_bytes
         if backend == "auto":
-            backend = "flashinfer" if self._flashinfer_fits() else "torch"
-        if backend == "flashinfer":
-            self._impl = FlashInferBackend(self.spec, workspace_bytes)
-        elif backend == "torch":
-            self._impl = TorchReference(self.spec)
+            self._impl, self.backend_reason = self._auto()
+        elif backend in PREFERENCE:
+            self._impl = self._build(backend)
+            self.backend_reason = f"backend={backend!r} was requested"
         else:
-            raise ValueError(f"backend must be 'auto', 'flashinfer' or 'torch', got {backend!r}")
+            raise ValueError(
+                f"backend must be 'auto', 'flashinfer', 'triton' or 'torch', got {backend!r}"
+            )
+        if sizes and self._impl.name == "torch":
+            raise ValueError(
+                "cuda_graph_batch_sizes needs the flashinfer or triton backend; "
+                f"this PagedAttention runs torch ({self.backend_reason})"
+            )
         self._step: StepPlan | None = None
+        self._graph_batch: int | None = None
+        self._checked_cache: KVCache | None = None
 
-    def _flashinfer_fits(self) -> bool:
-        spec = self.spec
-        return (
-            spec.device.type == "cuda"
-            and spec.dtype in FLASHINFER_DTYPES
-            and flashinfer_available()
-        )
+    def _build(self, backend: str) -> _Backend:
+        if backend == "flashinfer":
+            return FlashInferBackend(self.spec, self._workspace_bytes, self._graph_max_pages)
+        if backend == "triton":
+            return TritonBackend(self.spec, self._graph_max_pages)
+        return TorchReference(self.spec)
+
+    def _auto(self) -> tuple[_Backend, str]:
+        """The first backend of `PREFERENCE` that fits and builds, and why the others did not."""
+        skipped: list[str] = []
+        for name in PREFERENCE:
+            why = unfit_reason(name, self.spec)
+            if why is None:
+                try:
+                    impl = self._build(name)
+                except Exception as exc:  # an ABI, CUDA or driver mismatch: fall back, say why
+                    why = f"{name} failed to build: {type(exc).__name__}: {exc}"
+                else:
+                    because = f" because {'; '.join(skipped)}" if skipped else ""
+                    return impl, f"auto picked {name}{because}"
+            skipped.append(why)
+        raise AssertionError("the torch reference always fits")  # pragma: no cover
 
     @property
     def backend(self) -> str:
-        """The backend in use: `"flashinfer"` or `"torch"`."""
+        """The backend in use: `"flashinfer"`, `"triton"` or `"torch"`."""
         return self._impl.name
+
+    @property
+    def graph_batch_size(self) -> int | None:
+        """The padded batch size of the planned step when it uses CUDA-graph buffers, else None.
+
+        `q` then needs that many rows (pad it after the real tokens); output rows past the real
+        batch are undefined.
+        """
+        return self._graph_batch
 
     def plan(self, plan: PlanLike) -> None:
         """Validate this step's plan and prepare every layer's `run`; call once per step."""
         step = StepPlan.from_plan(plan, self.spec.block_size)
-        self._impl.plan(step)
+        bucket = self._bucket(step)
+        if bucket is not None:
+            step = step.padded_to(bucket)
+        self._impl.plan(step, graph=bucket is not None)
         self._step = step
+        self._graph_batch = bucket
+        self._checked_cache = None
+
+    def _bucket(self, step: StepPlan) -> int | None:
+        """The graph batch size that takes `step`, or None to run it eagerly."""
+        if not step.is_decode:
+            return None
+        bucket = next((s for s in self._graph_sizes if s >= step.batch_size), None)
+        # Each padding sequence takes one page.
+        if bucket is None or step.kv_indices.shape[0] + bucket - step.batch_size > (
+            self._graph_max_pages
+        ):
+            return None
+        return bucket
 
     def run(self, q: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """Attention output `[tokens, num_qo_heads, head_dim]` for `q` of the same shape.
 
         `q` holds the step's query tokens in plan order; `cache` must already hold their K/V
-        (see `KVCache.write`).
+        (see `KVCache.write`). The cache is checked against the plan at its first `run`.
         """
         step = self._step
         if step is None:
@@ -139,7 +204,11 @@ class PagedAttention:
                 f"q is {q.dtype} on {q.device}, this PagedAttention is {spec.dtype} on "
                 f"{spec.device}"
             )
-        self._check_cache(cache, step)
+        if q.stride(-1) != 1:
+            raise ValueError("q must be contiguous in its last dimension")
+        if cache is not self._checked_cache:
+            self._check_cache(cache, step)
+            self._checked_cache = cache
         return self._impl.run(q, cache.layer(layer))
 
     def _check_cache(self, cache: KVCache, step: StepPlan) -> None:

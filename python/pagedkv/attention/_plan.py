@@ -8,7 +8,7 @@ reference see exactly the same, already validated, inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -94,6 +94,31 @@ class StepPlan:
     def is_decode(self) -> bool:
         """True when every sequence has exactly one query token."""
         return self.max_q_len == 1
+
+    def padded_to(self, batch: int) -> StepPlan:
+        """This decode step with sequences appended up to `batch`, for a CUDA-graph bucket.
+
+        Each padding sequence has one query token and one KV token in block 0 (every cache has
+        it); its output rows are computed and ignored.
+        """
+        pad = batch - self.batch_size
+        if pad < 0 or not self.is_decode:
+            raise ValueError(f"cannot pad a step of {self.batch_size} sequences to {batch}")
+        nnz = int(self.kv_indptr[-1])
+        ones = np.ones(pad, dtype=np.int64)
+
+        def grow(a: IntArray, tail: npt.NDArray[Any]) -> IntArray:
+            return np.concatenate([a, tail.astype(np.int32)])
+
+        return replace(
+            self,
+            kv_indptr=grow(self.kv_indptr, nnz + np.cumsum(ones)),
+            kv_indices=grow(self.kv_indices, 0 * ones),
+            kv_last_page_len=grow(self.kv_last_page_len, ones),
+            qo_indptr=grow(self.qo_indptr, self.batch_size + np.cumsum(ones)),
+            q_lens=np.concatenate([self.q_lens, ones]),
+            kv_lens=np.concatenate([self.kv_lens, ones]),
+        )
 
     @classmethod
     def from_plan(cls, plan: PlanLike, block_size: int) -> StepPlan:

@@ -68,8 +68,11 @@ class TorchReference:
         self._spec = spec
         self._gather: _Gather | None = None
 
-    def plan(self, step: StepPlan) -> None:
-        """Build this step's gather indices and mask on the spec's device."""
+    def plan(self, step: StepPlan, graph: bool) -> None:
+        """Build this step's gather indices and mask on the spec's device.
+
+        `graph` is always False: `PagedAttention` gives CUDA-graph buckets to GPU backends only.
+        """
         self._gather = _Gather(step, self._spec.device)
 
     def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""The Triton kernel behind `backend="triton"`: paged, causal, GQA flash attention.
+
+One program handles one tile of up to `BLOCK_M` rows of one sequence and one KV head, where row
+`r` is query token `r // GROUP` of the sequence and query head `kv_head * GROUP + r % GROUP`: a
+decode step of a GQA model fills a tile with the query heads that share a KV head, so each KV
+byte is read once per tile. The program streams the sequence's keys in chunks of `BLOCK_N`
+positions, gathering each position from its page (`kv_indices[kv_indptr[b] + j // PAGE]`, slot
+`j % PAGE`, so any page size works), and keeps an online softmax in float32. Query token `i`
+sees positions `0 ..= kv_len - q_len + i` (bottom-right causal). Every length is read from
+device memory, so a launch captured in a CUDA graph stays right when a later plan changes them.
+
+This module imports Triton at import time; `TRITON_INTERPRET=1` must be set before it is first
+imported for the kernel to run in Triton's CPU interpreter. `DOT_FP32` upcasts the dot operands
+to float32: the interpreter multiplies bfloat16 operands wrongly (Triton 3.x), so bfloat16 runs
+in it that way; on a GPU the dots take the cache's dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    qo_indptr_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_lens_ptr,
+    tile_seq_ptr,
+    tile_row_ptr,
+    sm_scale,
+    soft_cap,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kk,
+    stride_ks,
+    stride_kh,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.load(tile_seq_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    q_start = tl.load(qo_indptr_ptr + b)
+    q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + b)
+    page_start = tl.load(kv_indptr_ptr + b)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len * GROUP
+    qi = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    token = (q_start + qi).to(tl.int64)
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    q_pos = kv_len - q_len + qi
+    last_row = tl.minimum(row0 + BLOCK_M, q_len * GROUP) - 1
+    hi = kv_len - q_len + last_row // GROUP + 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_valid = j < hi
+        page = tl.load(kv_indices_ptr + page_start + j // PAGE, mask=j_valid, other=0)
+        base = page.to(tl.int64) * stride_kb + (j % PAGE) * stride_ks + kv_head * stride_kh
+        kv_mask = j_valid[:, None] & d_valid[None, :]
+        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptr + stride_kk + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+        if HAS_CAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        allowed = (j[None, :] <= q_pos[:, None]) & j_valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A padding row may see no key in a chunk; keep its exponentials at 0, never NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )

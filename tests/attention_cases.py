@@ -1,0 +1,133 @@
+"""Shared attention test data: random paged batches and dense attention to check them against.
+
+Used by `test_attention.py` (the torch reference, FlashInfer) and `test_triton_attention.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedkv.attention import TablePlan, plan_from_tables
+from pagedkv.kv_cache import KVCache
+
+TOL = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def full_plan(tables: Sequence[Sequence[int]], kv_lens: Sequence[int], bs: int) -> TablePlan:
+    """A plan whose queries are every KV token: its slot_mapping writes whole sequences."""
+    return plan_from_tables(tables, kv_lens, kv_lens, bs)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal (bottom-right) attention of `q` `[q, hq, d]` over `k`, `v` `[kv, hkv, d]`, fp64."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    qh = q.double().transpose(0, 1)  # [hq, q, d]
+    kh = k.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    vh = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    i = torch.arange(q_len)[:, None]
+    j = torch.arange(kv_len)[None, :]
+    mask = j <= kv_len - q_len + i
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    else:
+        logits = soft_cap * torch.tanh(qh @ kh.transpose(1, 2) * scale / soft_cap)
+        out = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ vh
+    return out.transpose(0, 1)
+
+
+@dataclass
+class Batch:
+    """Random dense K/V placed in a paged cache, and the step plan that queries it."""
+
+    cache: KVCache
+    plan: TablePlan
+    q: torch.Tensor
+    dense_k: list[torch.Tensor]  # per sequence, per layer 0
+    dense_v: list[torch.Tensor]
+    q_lens: list[int]
+
+
+def random_batch(
+    seed: int,
+    shapes: Sequence[tuple[int, int]],
+    *,
+    hq: int,
+    hkv: int,
+    dim: int,
+    bs: int,
+    dtype: torch.dtype,
+    shared_prefix_blocks: int = 0,
+) -> Batch:
+    """Sequences `(kv_len, q_len)` on randomly permuted blocks; optionally sharing prefix blocks.
+
+    With `shared_prefix_blocks = s`, every sequence long enough reuses sequence 0's first `s`
+    physical blocks and their K/V, as a prefix cache hit would.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    needed = sum(math.ceil(kv / bs) for kv, _ in shapes) + 3
+    num_blocks = needed + 5
+    order = [int(x) for x in rng.permutation(num_blocks)]
+    tables: list[list[int]] = []
+    dense_k: list[torch.Tensor] = []
+    dense_v: list[torch.Tensor] = []
+    for b, (kv_len, _) in enumerate(shapes):
+        n = math.ceil(kv_len / bs)
+        k = torch.randn(kv_len, hkv, dim, generator=gen).to(dtype)
+        v = torch.randn(kv_len, hkv, dim, generator=gen).to(dtype)
+        shared = min(shared_prefix_blocks, (kv_len - 1) // bs, shapes[0][0] // bs) if b else 0
+        table = tables[0][:shared] if shared else []
+        if shared:
+            k[: shared * bs] = dense_k[0][: shared * bs]
+            v[: shared * bs] = dense_v[0][: shared * bs]
+        table = table + [order.pop() for _ in range(n - shared)]
+        tables.append(table)
+        dense_k.append(k)
+        dense_v.append(v)
+    cache = KVCache(1, num_blocks, bs, hkv, dim, dtype=dtype)
+    kv_lens = [kv for kv, _ in shapes]
+    cache.write(0, torch.cat(dense_k), torch.cat(dense_v), full_plan(tables, kv_lens, bs))
+    q_lens = [q for _, q in shapes]
+    plan = plan_from_tables(tables, kv_lens, q_lens, bs)
+    q = torch.randn(sum(q_lens), hq, dim, generator=gen).to(dtype)
+    return Batch(cache, plan, q, dense_k, dense_v, q_lens)
+
+
+def expected_output(batch: Batch, scale: float, soft_cap: float | None = None) -> torch.Tensor:
+    outs = []
+    offset = 0
+    for k, v, q_len in zip(batch.dense_k, batch.dense_v, batch.q_lens, strict=True):
+        outs.append(dense_attention(batch.q[offset : offset + q_len], k, v, scale, soft_cap))
+        offset += q_len
+    return torch.cat(outs)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(actual).any()
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
+
+
+MIXES = {
+    "decode": [(37, 1), (1, 1), (64, 1), (5, 1)],
+    "prefill": [(13, 13), (1, 1), (40, 40)],
+    "chunked": [(50, 7), (33, 33), (17, 16)],
+    "mixed": [(70, 1), (21, 21), (45, 9), (2, 1), (16, 16), (3, 2)],
+}

@@ -1,0 +1,225 @@
+"""How the FlashInfer backend calls FlashInfer, checked on the CPU with a recording stand-in.
+
+The stand-in records every constructor and `plan` call; the tests check what a GPU would care
+about (non-blocking planning, host arrays from the pinned staging buffer, page indices on the
+device, one workspace of the configured size, fixed buffers for CUDA-graph buckets), and that
+every argument name exists in the installed FlashInfer's signatures. FlashInfer imports without
+a GPU; CI installs it from the device kit and names the folder in `PAGEDKV_FLASHINFER_SITE`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import pagedkv.attention._flashinfer as fi_backend
+from pagedkv.attention import PagedAttention, plan_from_tables
+from pagedkv.kv_cache import KVCache
+
+
+class Recorder:
+    """A FlashInfer wrapper class that records its calls."""
+
+    calls: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((type(self).__name__, "__init__", args, kwargs))
+
+    def plan(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((type(self).__name__, "plan", args, kwargs))
+
+    def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        self.calls.append((type(self).__name__, "run", (q, kv), {}))
+        return q.clone()
+
+
+@pytest.fixture
+def recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[tuple[str, str, tuple[Any, ...], dict[str, Any]]]:
+    calls: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
+    decode = type("BatchDecodeWithPagedKVCacheWrapper", (Recorder,), {"calls": calls})
+    prefill = type("BatchPrefillWithPagedKVCacheWrapper", (Recorder,), {"calls": calls})
+    fake = SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=decode, BatchPrefillWithPagedKVCacheWrapper=prefill
+    )
+    monkeypatch.setattr(fi_backend, "import_flashinfer", lambda: fake)
+    monkeypatch.setattr(fi_backend, "check_spec", lambda spec: None)  # lets it run on the CPU
+    return calls
+
+
+def attention(**kwargs: Any) -> PagedAttention:
+    return PagedAttention(8, 2, 16, 4, "flashinfer", dtype=torch.float32, **kwargs)
+
+
+def step(attn: PagedAttention, q_lens: list[int]) -> None:
+    tables = [[3, 1, 4], [0, 5], [2]]
+    attn.plan(plan_from_tables(tables, [9, 6, 2], q_lens, 4))
+    rows = attn.graph_batch_size or sum(q_lens)
+    attn.run(torch.zeros(rows, 8, 16), KVCache(1, 6, 4, 2, 16, dtype=torch.float32), 0)
+
+
+def calls_named(calls: list[Any], cls: str, method: str) -> list[Any]:
+    return [c for c in calls if c[0] == cls and c[1] == method]
+
+
+def test_one_workspace_of_the_configured_size(recorded: list[Any]) -> None:
+    attention()
+    inits = [c for c in recorded if c[1] == "__init__"]
+    assert len(inits) == 2
+    workspaces = {c[2][0].data_ptr() for c in inits}
+    assert len(workspaces) == 1
+    assert inits[0][2][0].numel() == fi_backend.DEFAULT_WORKSPACE_BYTES == 384 << 20
+    recorded.clear()
+    attention(workspace_bytes=1 << 20)
+    assert recorded[0][2][0].numel() == 1 << 20
+    assert all(c[3]["backend"] == "fa2" for c in recorded)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_plan_is_non_blocking_from_the_staging_buffer(recorded: list[Any], mode: str) -> None:
+    attn = attention()
+    staging = attn._impl._staging  # type: ignore[attr-defined]
+    q_lens = [1, 1, 1] if mode == "decode" else [3, 1, 2]
+    step(attn, q_lens)
+    cls = (
+        "BatchDecodeWithPagedKVCacheWrapper"
+        if mode == "decode"
+        else ("BatchPrefillWithPagedKVCacheWrapper")
+    )
+    ((_, _, args, kwargs),) = calls_named(recorded, cls, "plan")
+    assert kwargs["non_blocking"] is True
+    assert kwargs["logits_soft_cap"] is None and kwargs["sm_scale"] == 0.25
+    host = staging._host[staging._turn]
+    arrays = list(args[:4] if mode == "prefill" else args[:3])
+    if mode == "prefill":
+        assert kwargs["causal"] is True
+        qo = arrays.pop(0)
+        assert qo.tolist() == [0, 3, 4, 6]
+        assert qo.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
+    indptr, indices, last = arrays
+    assert indptr.tolist() == [0, 3, 5, 6] and last.tolist() == [1, 2, 2]
+    assert indices.tolist() == [3, 1, 4, 0, 5, 2]
+    # indptr and last-page lengths are views of the (pinned on CUDA) staging buffer; the page
+    # indices are the device copy of it.
+    for t in (indptr, last):
+        assert t.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
+    dev = staging._dev[staging._turn]
+    assert indices.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr()
+    # The next step stages into the other buffer, so this step's arrays stay intact.
+    step(attn, q_lens)
+    assert indptr.tolist() == [0, 3, 5, 6]
+
+
+def test_graph_buckets_get_fixed_buffer_wrappers(recorded: list[Any]) -> None:
+    attn = attention(cuda_graph_batch_sizes=(4, 8), cuda_graph_max_pages=32)
+    step(attn, [1, 1, 1])
+    assert attn.graph_batch_size == 4
+    graph_inits = [c for c in recorded if c[1] == "__init__" and c[3].get("use_cuda_graph")]
+    assert len(graph_inits) == 1
+    kwargs = graph_inits[0][3]
+    assert kwargs["paged_kv_indptr_buffer"].shape == (5,)
+    assert kwargs["paged_kv_last_page_len_buffer"].shape == (4,)
+    assert kwargs["paged_kv_indices_buffer"].shape == (32,)
+    plan = recorded[-2]
+    assert plan[1] == "plan"
+    assert plan[2][0].tolist() == [0, 3, 5, 6, 7]  # padded with a one-page sequence
+    assert plan[2][2].tolist() == [1, 2, 2, 1]
+    step(attn, [1, 1, 1])  # the same bucket reuses its wrapper
+    assert len([c for c in recorded if c[1] == "__init__" and c[3].get("use_cuda_graph")]) == 1
+
+
+def test_run_checks_the_cache_once_per_plan(
+    recorded: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attn = attention()
+    checks = []
+    real = attn._check_cache
+    monkeypatch.setattr(attn, "_check_cache", lambda c, s: checks.append(1) or real(c, s))
+    cache = KVCache(3, 6, 4, 2, 16, dtype=torch.float32)
+    attn.plan(plan_from_tables([[3, 1, 4]], [9], [1], 4))
+    for layer in range(3):
+        attn.run(torch.zeros(1, 8, 16), cache, layer)
+    assert len(checks) == 1
+    attn.plan(plan_from_tables([[3, 1, 4]], [9], [1], 4))
+    attn.run(torch.zeros(1, 8, 16), cache, 0)
+    assert len(checks) == 2
+    with pytest.raises(ValueError, match="references block 4"):
+        attn.run(torch.zeros(1, 8, 16), KVCache(1, 4, 4, 2, 16, dtype=torch.float32), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument names against the installed FlashInfer.
+
+_DUMP = """
+import inspect, json, flashinfer
+out = {"version": flashinfer.__version__}
+for cls in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"):
+    c = getattr(flashinfer, cls)
+    for m in ("__init__", "plan", "_plan_impl", "run"):
+        if hasattr(c, m):
+            sig = inspect.signature(getattr(c, m))
+            out[cls + "." + m] = [
+                (p.name, p.kind.name, p.default is not p.empty) for p in sig.parameters.values()
+            ]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def signatures() -> dict[str, Any]:
+    env = dict(os.environ)
+    site = os.environ.get("PAGEDKV_FLASHINFER_SITE")
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _DUMP], env=env, capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"FlashInfer does not import: {proc.stderr.strip().splitlines()[-1:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _bind(params: list[list[Any]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    sig = inspect.Signature(
+        [
+            inspect.Parameter(
+                name,
+                getattr(inspect.Parameter, kind),
+                default=None if has_default else inspect.Parameter.empty,
+            )
+            for name, kind, has_default in params
+        ]
+    )
+    sig.bind(None, *args, **kwargs)  # raises TypeError on an unknown or missing argument
+
+
+def test_argument_names_exist_in_flashinfer(
+    recorded: list[Any], signatures: dict[str, Any]
+) -> None:
+    for graph in (False, True):
+        attn = attention(
+            cuda_graph_batch_sizes=(4,) if graph else (), cuda_graph_max_pages=32 if graph else 0
+        )
+        step(attn, [1, 1, 1])
+        step(attn, [3, 1, 2])
+    assert {(c[0], c[1]) for c in recorded} >= {
+        ("BatchDecodeWithPagedKVCacheWrapper", "__init__"),
+        ("BatchDecodeWithPagedKVCacheWrapper", "plan"),
+        ("BatchPrefillWithPagedKVCacheWrapper", "plan"),
+    }
+    for cls, method, args, kwargs in recorded:
+        _bind(signatures[f"{cls}.{method}"], args, kwargs)
+        impl = signatures.get(f"{cls}._plan_impl")
+        if method == "plan" and impl is not None:
+            # decode's plan forwards **kwargs to _plan_impl, whose keywords are the real check.
+            _bind(impl, args, kwargs)
