@@ -114,8 +114,8 @@ def bench_throughput(url: str, shape: Shape, reps: int, device: str) -> list[flo
     )
     for layer in range(shape.layers):
         cache.layer(layer).normal_()
-    raw = redis.Redis.from_url(url, socket_timeout=60)
     store = RedisStore(url, timeout=60)
+    raw = store.client()  # raw calls on the very client the store uses (same parser, packer)
     tier = KVTier(
         store, "bench", mgr, cache, timeout=60, save_timeout=60, max_pending_blocks=1 << 20
     )
@@ -125,7 +125,8 @@ def bench_throughput(url: str, shape: Shape, reps: int, device: str) -> list[flo
     print(
         f"blocks of {payload / 2**20:.2f} MiB ({shape.layers} layers, {shape.kv_heads} KV heads, "
         f"head dim {shape.head_dim}, block size {bs}, fp16), {shape.blocks} blocks "
-        f"({nbytes / 2**20:.0f} MiB) per repetition, batches of {shape.batch}, on {device}"
+        f"({nbytes / 2**20:.0f} MiB) per repetition, batches of {shape.batch}, on {device}; "
+        f"replies parsed by {'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'pure Python'}"
     )
     bench_checksums(payload)
     ids = np.arange(shape.blocks)

@@ -119,6 +119,25 @@ def test_read_and_write_blocks_round_trip() -> None:
     assert src.read_blocks(np.empty(0, np.int64)).ready().shape[0] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_bytes_round_trip(dtype: torch.dtype) -> None:
+    src = KVCache(3, 16, BS, 2, 8, dtype=dtype)
+    dst = KVCache(3, 16, BS, 2, 8, dtype=dtype)
+    for layer in range(src.num_layers):
+        src.layer(layer).normal_()
+    assert src.block_nbytes == 3 * 2 * BS * 2 * 8 * dtype.itemsize
+    # Read into rows behind a header, as the tier does, then write from bytes of those rows.
+    values = torch.zeros((3, HEADER_SIZE + src.block_nbytes), dtype=torch.uint8)
+    out = values[:, HEADER_SIZE:].view(dtype).view(3, 3, 2, BS, 2, 8)
+    src.read_blocks(np.array([9, 0, 15]), out=out).ready()
+    assert not values[:, :HEADER_SIZE].any()  # the header room is left alone
+    payloads = [memoryview(bytes(row))[HEADER_SIZE:] for row in values.numpy()]
+    dst.write_block_bytes(np.array([4, 15, 1]), payloads)
+    assert torch.equal(blocks(dst, [4, 15, 1]), blocks(src, [9, 0, 15]))
+    assert not blocks(dst, [0, 2, 3]).any()  # nothing else written
+    dst.write_block_bytes(np.empty(0, np.int64), [])
+
+
 def test_read_blocks_is_a_snapshot() -> None:
     cache = make_cache(seed=0)
     host = cache.read_blocks(np.array([2]))
@@ -144,6 +163,8 @@ def test_read_and_write_blocks_on_cuda() -> None:
     assert torch.equal(src.read_blocks(np.array([5])).ready(), torch.zeros_like(want[:1]))
     src.write_blocks(np.array([7, 2, 9]), want)
     assert torch.equal(blocks(src, [7, 2, 9]).cpu(), want)
+    src.write_block_bytes(np.array([3, 4]), [bytes(values[i, 64:].numpy()) for i in (2, 0)])
+    assert torch.equal(blocks(src, [3, 4]).cpu(), want[[2, 0]])
 
 
 def test_read_and_write_blocks_reject_bad_input() -> None:
@@ -161,6 +182,17 @@ def test_read_and_write_blocks_reject_bad_input() -> None:
         cache.write_blocks(np.array([1, 1]), good)
     with pytest.raises(ValueError, match="contiguous blocks"):
         cache.read_blocks(np.array([1]), out=torch.zeros(1, 2, 2, BS, 2, 16)[..., ::2])
+    block = bytes(cache.block_nbytes)
+    with pytest.raises(ValueError, match="2 block ids for 1 blocks"):
+        cache.write_block_bytes(np.array([1, 2]), [block])
+    with pytest.raises(
+        ValueError, match=f"block 1 has 4 bytes; a block of this cache has {len(block)}"
+    ):
+        cache.write_block_bytes(np.array([1, 2]), [block, b"four"])
+    with pytest.raises(ValueError, match="appears twice"):
+        cache.write_block_bytes(np.array([3, 3]), [block, block])
+    with pytest.raises(ValueError, match=r"block ids must lie in \[0, 32\)"):
+        cache.write_block_bytes(np.array([-1]), [block])
 
 
 # ---- write path

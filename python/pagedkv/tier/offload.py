@@ -333,29 +333,17 @@ class KVTier:
             values = self.store.get_many(self.namespace.keys(hashes), self.timeout)
             if len(values) != len(hashes):
                 raise StoreError(f"asked for {len(hashes)} values, got {len(values)}")
-            # Pinned on CUDA, so the copy into the cache is one async transfer.
-            staging = torch.empty(
-                (len(hashes), self.spec.payload_size),
-                dtype=torch.uint8,
-                pin_memory=self.cache.device.type == "cuda",
-            )
-            payloads = staging.numpy()
-            ok = 0
+            payloads: list[memoryview] = []
             for h, value in zip(hashes, values, strict=True):
                 if value is None:
                     break
                 try:
-                    payload = decode(self.spec, h, value)
+                    payloads.append(decode(self.spec, h, value))
                 except CorruptValue:
                     self._count(corrupt_blocks=1)
                     break
-                payloads[ok] = np.frombuffer(payload, dtype=np.uint8)
-                ok += 1
-            if ok:
-                c = self.cache
-                shape = (ok, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
-                host = staging[:ok].view(self.cache.dtype).view(shape)
-                self.cache.write_blocks(block_ids[:ok], host)
+            ok = len(payloads)
+            self.cache.write_block_bytes(block_ids[:ok], payloads)
         except Exception as e:  # the blocks are recomputed; the engine loop goes on
             self._count_failure(e)
             return 0
