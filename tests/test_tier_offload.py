@@ -299,7 +299,9 @@ class FailingGetStore(MemoryStore):
         raise self.err
 
 
-def admit_after(store: MemoryStore, edit: Any = None) -> tuple[StandInManager, TierStats]:
+def admit_after(
+    store: MemoryStore, edit: Any = None, chunk: int = 16
+) -> tuple[StandInManager, TierStats]:
     src, ids = saved_tier(store)
     mgr = StandInManager()
     keys = Namespace("m", block_spec(src), mgr.hash_key_fingerprint).keys(mgr.block_hashes(TOKENS))
@@ -307,7 +309,7 @@ def admit_after(store: MemoryStore, edit: Any = None) -> tuple[StandInManager, T
         edit(store, keys)
     dst = make_cache()
     mgr = StandInManager()
-    with KVTier(store, "m", mgr, dst, timeout=0.05) as tier:
+    with KVTier(store, "m", mgr, dst, timeout=0.05, load_chunk_blocks=chunk) as tier:
         computed = tier.admit(0, TOKENS)
         stats = tier.stats()
     assert computed == mgr.num_computed(0)
@@ -344,6 +346,44 @@ def test_missing_key_ends_the_run() -> None:
 def test_key_evicted_between_lookup_and_load_ends_the_run() -> None:
     mgr, stats = admit_after(LyingStore(), lambda s, keys: s.data.pop(keys[3]))
     assert mgr.loadable == 5 and mgr.confirmed == 3 and stats.miss_blocks == 2
+
+
+class ChunkRecordingStore(LyingStore):
+    """Records the keys of each `get_many`; the call numbered `fail_call` raises `err`."""
+
+    def __init__(self, fail_call: int | None = None, err: StoreError | None = None) -> None:
+        super().__init__()
+        self.gets: list[int] = []
+        self.fail_call, self.err = fail_call, err
+
+    def get_many(self, keys: Sequence[bytes], timeout: float) -> list[bytes | None]:
+        self.gets.append(len(keys))
+        if len(self.gets) - 1 == self.fail_call and self.err is not None:
+            raise self.err
+        return super().get_many(keys, timeout)
+
+
+def test_loads_fetch_chunks_one_ahead() -> None:
+    store = ChunkRecordingStore()
+    mgr, stats = admit_after(store, chunk=2)
+    assert store.gets == [2, 2, 1]
+    assert mgr.confirmed == 5 and stats.hit_blocks == 5
+
+
+@pytest.mark.parametrize(("missing", "confirmed"), [(1, 1), (2, 2), (3, 3), (4, 4)])
+def test_a_missing_key_in_any_chunk_ends_the_run(missing: int, confirmed: int) -> None:
+    store = ChunkRecordingStore()
+    mgr, stats = admit_after(store, lambda s, keys: s.data.pop(keys[missing]), chunk=2)
+    assert mgr.confirmed == confirmed and stats.miss_blocks == 5 - confirmed
+    # The chunk holding the gap was fetched; the one after it may have been, ahead.
+    assert missing // 2 + 1 <= len(store.gets) <= min(3, missing // 2 + 2)
+
+
+@pytest.mark.parametrize("err", [StoreError("gone"), StoreTimeout("slow")])
+def test_a_failed_chunk_keeps_the_chunks_before_it(err: StoreError) -> None:
+    mgr, stats = admit_after(ChunkRecordingStore(fail_call=1, err=err), chunk=2)
+    assert mgr.loadable == 5 and mgr.confirmed == 2 and stats.hit_blocks == 2
+    assert (stats.errors, stats.timeouts) == ((1, 0) if type(err) is StoreError else (0, 1))
 
 
 @pytest.mark.parametrize(
@@ -397,3 +437,5 @@ def test_tier_rejects_bad_settings() -> None:
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), timeout=0)
     with pytest.raises(ValueError, match="max_pending_blocks"):
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), max_pending_blocks=0)
+    with pytest.raises(ValueError, match="load_chunk_blocks"):
+        KVTier(MemoryStore(), "m", StandInManager(), make_cache(), load_chunk_blocks=0)
