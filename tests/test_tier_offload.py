@@ -119,6 +119,25 @@ def test_read_and_write_blocks_round_trip() -> None:
     assert src.read_blocks(np.empty(0, np.int64)).ready().shape[0] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_bytes_round_trip(dtype: torch.dtype) -> None:
+    src = KVCache(3, 16, BS, 2, 8, dtype=dtype)
+    dst = KVCache(3, 16, BS, 2, 8, dtype=dtype)
+    for layer in range(src.num_layers):
+        src.layer(layer).normal_()
+    assert src.block_nbytes == 3 * 2 * BS * 2 * 8 * dtype.itemsize
+    # Read into rows behind a header, as the tier does, then write from bytes of those rows.
+    values = torch.zeros((3, HEADER_SIZE + src.block_nbytes), dtype=torch.uint8)
+    out = values[:, HEADER_SIZE:].view(dtype).view(3, 3, 2, BS, 2, 8)
+    src.read_blocks(np.array([9, 0, 15]), out=out).ready()
+    assert not values[:, :HEADER_SIZE].any()  # the header room is left alone
+    payloads = [memoryview(bytes(row))[HEADER_SIZE:] for row in values.numpy()]
+    dst.write_block_bytes(np.array([4, 15, 1]), payloads)
+    assert torch.equal(blocks(dst, [4, 15, 1]), blocks(src, [9, 0, 15]))
+    assert not blocks(dst, [0, 2, 3]).any()  # nothing else written
+    dst.write_block_bytes(np.empty(0, np.int64), [])
+
+
 def test_read_blocks_is_a_snapshot() -> None:
     cache = make_cache(seed=0)
     host = cache.read_blocks(np.array([2]))
@@ -144,6 +163,8 @@ def test_read_and_write_blocks_on_cuda() -> None:
     assert torch.equal(src.read_blocks(np.array([5])).ready(), torch.zeros_like(want[:1]))
     src.write_blocks(np.array([7, 2, 9]), want)
     assert torch.equal(blocks(src, [7, 2, 9]).cpu(), want)
+    src.write_block_bytes(np.array([3, 4]), [bytes(values[i, 64:].numpy()) for i in (2, 0)])
+    assert torch.equal(blocks(src, [3, 4]).cpu(), want[[2, 0]])
 
 
 def test_read_and_write_blocks_reject_bad_input() -> None:
@@ -161,6 +182,17 @@ def test_read_and_write_blocks_reject_bad_input() -> None:
         cache.write_blocks(np.array([1, 1]), good)
     with pytest.raises(ValueError, match="contiguous blocks"):
         cache.read_blocks(np.array([1]), out=torch.zeros(1, 2, 2, BS, 2, 16)[..., ::2])
+    block = bytes(cache.block_nbytes)
+    with pytest.raises(ValueError, match="2 block ids for 1 blocks"):
+        cache.write_block_bytes(np.array([1, 2]), [block])
+    with pytest.raises(
+        ValueError, match=f"block 1 has 4 bytes; a block of this cache has {len(block)}"
+    ):
+        cache.write_block_bytes(np.array([1, 2]), [block, b"four"])
+    with pytest.raises(ValueError, match="appears twice"):
+        cache.write_block_bytes(np.array([3, 3]), [block, block])
+    with pytest.raises(ValueError, match=r"block ids must lie in \[0, 32\)"):
+        cache.write_block_bytes(np.array([-1]), [block])
 
 
 # ---- write path
@@ -267,7 +299,9 @@ class FailingGetStore(MemoryStore):
         raise self.err
 
 
-def admit_after(store: MemoryStore, edit: Any = None) -> tuple[StandInManager, TierStats]:
+def admit_after(
+    store: MemoryStore, edit: Any = None, chunk: int = 16
+) -> tuple[StandInManager, TierStats]:
     src, ids = saved_tier(store)
     mgr = StandInManager()
     keys = Namespace("m", block_spec(src), mgr.hash_key_fingerprint).keys(mgr.block_hashes(TOKENS))
@@ -275,7 +309,7 @@ def admit_after(store: MemoryStore, edit: Any = None) -> tuple[StandInManager, T
         edit(store, keys)
     dst = make_cache()
     mgr = StandInManager()
-    with KVTier(store, "m", mgr, dst, timeout=0.05) as tier:
+    with KVTier(store, "m", mgr, dst, timeout=0.05, load_chunk_blocks=chunk) as tier:
         computed = tier.admit(0, TOKENS)
         stats = tier.stats()
     assert computed == mgr.num_computed(0)
@@ -312,6 +346,44 @@ def test_missing_key_ends_the_run() -> None:
 def test_key_evicted_between_lookup_and_load_ends_the_run() -> None:
     mgr, stats = admit_after(LyingStore(), lambda s, keys: s.data.pop(keys[3]))
     assert mgr.loadable == 5 and mgr.confirmed == 3 and stats.miss_blocks == 2
+
+
+class ChunkRecordingStore(LyingStore):
+    """Records the keys of each `get_many`; the call numbered `fail_call` raises `err`."""
+
+    def __init__(self, fail_call: int | None = None, err: StoreError | None = None) -> None:
+        super().__init__()
+        self.gets: list[int] = []
+        self.fail_call, self.err = fail_call, err
+
+    def get_many(self, keys: Sequence[bytes], timeout: float) -> list[bytes | None]:
+        self.gets.append(len(keys))
+        if len(self.gets) - 1 == self.fail_call and self.err is not None:
+            raise self.err
+        return super().get_many(keys, timeout)
+
+
+def test_loads_fetch_chunks_one_ahead() -> None:
+    store = ChunkRecordingStore()
+    mgr, stats = admit_after(store, chunk=2)
+    assert store.gets == [2, 2, 1]
+    assert mgr.confirmed == 5 and stats.hit_blocks == 5
+
+
+@pytest.mark.parametrize(("missing", "confirmed"), [(1, 1), (2, 2), (3, 3), (4, 4)])
+def test_a_missing_key_in_any_chunk_ends_the_run(missing: int, confirmed: int) -> None:
+    store = ChunkRecordingStore()
+    mgr, stats = admit_after(store, lambda s, keys: s.data.pop(keys[missing]), chunk=2)
+    assert mgr.confirmed == confirmed and stats.miss_blocks == 5 - confirmed
+    # The chunk holding the gap was fetched; the one after it may have been, ahead.
+    assert missing // 2 + 1 <= len(store.gets) <= min(3, missing // 2 + 2)
+
+
+@pytest.mark.parametrize("err", [StoreError("gone"), StoreTimeout("slow")])
+def test_a_failed_chunk_keeps_the_chunks_before_it(err: StoreError) -> None:
+    mgr, stats = admit_after(ChunkRecordingStore(fail_call=1, err=err), chunk=2)
+    assert mgr.loadable == 5 and mgr.confirmed == 2 and stats.hit_blocks == 2
+    assert (stats.errors, stats.timeouts) == ((1, 0) if type(err) is StoreError else (0, 1))
 
 
 @pytest.mark.parametrize(
@@ -365,3 +437,5 @@ def test_tier_rejects_bad_settings() -> None:
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), timeout=0)
     with pytest.raises(ValueError, match="max_pending_blocks"):
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), max_pending_blocks=0)
+    with pytest.raises(ValueError, match="load_chunk_blocks"):
+        KVTier(MemoryStore(), "m", StandInManager(), make_cache(), load_chunk_blocks=0)

@@ -14,6 +14,7 @@ torch.Size([8, 2, 4, 1, 2])
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -262,10 +263,10 @@ class KVCache:
                 f"got {out.dtype} {tuple(out.shape)} on {out.device}"
             )
         if ids.size:
-            idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
             # On CUDA, gathered on the device first: contiguous device-to-host copies stay
             # async (a strided host target would force a sync).
             if cuda:
+                idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
                 staging = torch.empty(shape, dtype=self.dtype, device=self.device)
                 for layer, t in enumerate(self._layers):
                     torch.index_select(t, 0, idx, out=staging[:, layer])
@@ -275,12 +276,13 @@ class KVCache:
                     for i in range(ids.size):
                         out[i].copy_(staging[i], non_blocking=True)
             else:
-                # A gather into a strided target is a slow path on CPU; gathering each layer
-                # into a contiguous buffer and copying that is twice as fast.
-                gathered = torch.empty(shape[:1] + shape[2:], dtype=self.dtype)
-                for layer, t in enumerate(self._layers):
-                    torch.index_select(t, 0, idx, out=gathered)
-                    out[:, layer].copy_(gathered)
+                # One contiguous copy per block and layer, straight into `out`: twice as fast
+                # on CPU as a gather per layer followed by a strided copy.
+                cache_layers = self._host_layer_bytes()
+                for row, block in zip(out, ids.tolist(), strict=True):
+                    row_layers = _as_bytes(row).reshape(self.num_layers, -1)
+                    for dst, src in zip(row_layers, cache_layers, strict=True):
+                        np.copyto(dst, src[block])
         event = None
         if cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -302,12 +304,64 @@ class KVCache:
             raise ValueError("write_blocks: a block id appears twice")
         if not ids.size:
             return
+        if self.device.type == "cpu":
+            self._scatter_host(ids, [_as_bytes(block) for block in host])
+            return
         idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
         src = host.to(self.device, non_blocking=True)
         for layer, t in enumerate(self._layers):
-            # Contiguous on CPU: a strided source is a slow path there (see `read_blocks`).
-            layer_src = src[:, layer]
-            t.index_copy_(0, idx, layer_src if src.is_cuda else layer_src.contiguous())
+            t.index_copy_(0, idx, src[:, layer])
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all layers, as `read_blocks` lays it out."""
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * self.dtype.itemsize
+
+    def write_block_bytes(
+        self, block_ids: npt.NDArray[Any], blocks: Sequence[bytes | bytearray | memoryview]
+    ) -> None:
+        """Fill blocks from raw bytes: `blocks[i]` holds block `block_ids[i]` laid out as a
+        `read_blocks` row (`block_nbytes` bytes), say a value fetched from a store.
+
+        On CPU each block is copied straight into the cache; on CUDA they are staged in pinned
+        memory and moved with one async transfer. `blocks` may be reused once this returns.
+        """
+        ids = self._block_ids(block_ids)
+        if len(blocks) != ids.size:
+            raise ValueError(f"{ids.size} block ids for {len(blocks)} blocks")
+        views = [np.frombuffer(b, dtype=np.uint8) for b in blocks]
+        for i, view in enumerate(views):
+            if view.size != self.block_nbytes:
+                raise ValueError(
+                    f"block {i} has {view.size} bytes; a block of this cache has "
+                    f"{self.block_nbytes}"
+                )
+        if np.unique(ids).size != ids.size:
+            raise ValueError("write_block_bytes: a block id appears twice")
+        if not ids.size:
+            return
+        if self.device.type == "cpu":
+            self._scatter_host(ids, views)
+            return
+        staging = torch.empty((ids.size, self.block_nbytes), dtype=torch.uint8, pin_memory=True)
+        for row, view in zip(staging.numpy(), views, strict=True):
+            np.copyto(row, view)
+        shape = (ids.size, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        self.write_blocks(ids, staging.view(self.dtype).view(shape))
+
+    def _host_layer_bytes(self) -> list[npt.NDArray[np.uint8]]:
+        """Each layer of a CPU cache as a writable uint8 array `[num_blocks, layer block bytes]`."""
+        return [_as_bytes(t).reshape(self.num_blocks, -1) for t in self._layers]
+
+    def _scatter_host(
+        self, ids: npt.NDArray[np.int64], blocks: list[npt.NDArray[np.uint8]]
+    ) -> None:
+        """Copy each block's bytes (all layers) into a CPU cache, one contiguous copy per layer."""
+        layers = self._host_layer_bytes()
+        for block, data in zip(ids.tolist(), blocks, strict=True):
+            for layer, src in zip(layers, data.reshape(self.num_layers, -1), strict=True):
+                np.copyto(layer[block], src)
 
     def _block_ids(self, block_ids: npt.NDArray[Any]) -> np.ndarray:
         """`block_ids` validated as a 1-D int64 array of this cache's blocks."""
@@ -357,6 +411,12 @@ class Transfer:
         """Block the host until every copy has landed."""
         if self.event is not None:
             self.event.synchronize()
+
+
+def _as_bytes(t: torch.Tensor) -> npt.NDArray[np.uint8]:
+    """A host tensor's bytes as a flat numpy array (any dtype, bf16 too): a writable view of
+    `t` when `t` is contiguous, else a copy."""
+    return t.view(torch.uint8).numpy().reshape(-1)
 
 
 class HostBlocks:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -113,8 +115,9 @@ class KVTier:
     `model_id` names the weights (blocks are shared only between engines with equal model id,
     KV shape, dtype and hash key). `timeout` bounds each admission lookup and load (seconds),
     `save_timeout` each background put; `save_threads` threads encode and put concurrently, so
-    one batch's checksum overlaps another's network transfer. Call `close()` (or use it as a
-    context manager) to finish the saves in flight.
+    one batch's checksum overlaps another's network transfer. Loads fetch `load_chunk_blocks`
+    blocks per call, the next chunk in flight while one is checked and copied. Call `close()`
+    (or use it as a context manager) to finish the saves in flight.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class KVTier:
         max_pending_blocks: int = 1024,
         dedup_capacity: int = 1 << 16,
         save_threads: int = 2,
+        load_chunk_blocks: int = 16,
     ) -> None:
         if manager.block_size != cache.block_size:
             raise ValueError(
@@ -140,8 +144,11 @@ class KVTier:
         for name, value in (("timeout", timeout), ("save_timeout", save_timeout)):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if min(max_pending_blocks, dedup_capacity, save_threads) < 1:
-            raise ValueError("max_pending_blocks, dedup_capacity and save_threads must be >= 1")
+        if min(max_pending_blocks, dedup_capacity, save_threads, load_chunk_blocks) < 1:
+            raise ValueError(
+                "max_pending_blocks, dedup_capacity, save_threads and load_chunk_blocks "
+                "must be >= 1"
+            )
         self.store = store
         self.manager = manager
         self.cache = cache
@@ -150,6 +157,8 @@ class KVTier:
         self.timeout = timeout
         self.save_timeout = save_timeout
         self.max_pending_blocks = max_pending_blocks
+        self.load_chunk_blocks = load_chunk_blocks
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-loader")
         self._dedup_capacity = dedup_capacity
         self._offered: OrderedDict[int, None] = OrderedDict()  # engine thread only
         self._stats = TierStats()
@@ -281,6 +290,7 @@ class KVTier:
             self._cond.notify_all()
         for saver in self._savers:
             saver.join()
+        self._loader.shutdown()
 
     def __enter__(self) -> KVTier:
         return self
@@ -328,36 +338,54 @@ class KVTier:
             return 0
 
     def _load(self, hashes: list[int], block_ids: npt.NDArray[Any]) -> int:
-        """Fetch `hashes` into `block_ids`; the length of the valid consecutive run written."""
+        """Fetch `hashes` into `block_ids`; the length of the valid consecutive run written.
+
+        Chunks of `load_chunk_blocks` are fetched one ahead: the next chunk is on the wire
+        while this one is checked and copied into the cache.
+        """
+        keys = self.namespace.keys(hashes)
+        chunk = self.load_chunk_blocks
+        starts = range(0, len(keys), chunk)
+        ahead: Future[list[bytes | None]] | None = None
+        ok = 0
         try:
-            values = self.store.get_many(self.namespace.keys(hashes), self.timeout)
-            if len(values) != len(hashes):
-                raise StoreError(f"asked for {len(hashes)} values, got {len(values)}")
-            # Pinned on CUDA, so the copy into the cache is one async transfer.
-            staging = torch.empty(
-                (len(hashes), self.spec.payload_size),
-                dtype=torch.uint8,
-                pin_memory=self.cache.device.type == "cuda",
-            )
-            payloads = staging.numpy()
-            ok = 0
-            for h, value in zip(hashes, values, strict=True):
-                if value is None:
+            for lo in starts:
+                wanted = keys[lo : lo + chunk]
+                if ahead is None:
+                    values = self._get(wanted)
+                else:
+                    values = ahead.result(self.timeout)
+                    ahead = None
+                if lo + chunk < len(keys):
+                    ahead = self._loader.submit(self._get, keys[lo + chunk : lo + 2 * chunk])
+                run = self._valid_run(hashes[lo : lo + len(wanted)], values)
+                self.cache.write_block_bytes(block_ids[ok : ok + len(run)], run)
+                ok += len(run)
+                if len(run) < len(wanted):
                     break
-                try:
-                    payload = decode(self.spec, h, value)
-                except CorruptValue:
-                    self._count(corrupt_blocks=1)
-                    break
-                payloads[ok] = np.frombuffer(payload, dtype=np.uint8)
-                ok += 1
-            if ok:
-                c = self.cache
-                shape = (ok, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
-                host = staging[:ok].view(self.cache.dtype).view(shape)
-                self.cache.write_blocks(block_ids[:ok], host)
-        except Exception as e:  # the blocks are recomputed; the engine loop goes on
-            self._count_failure(e)
-            return 0
+        except Exception as e:  # the rest is recomputed; the engine loop goes on
+            self._count_failure(StoreTimeout(str(e)) if isinstance(e, FutureTimeout) else e)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
         self._count(hit_blocks=ok)
         return ok
+
+    def _get(self, keys: list[bytes]) -> list[bytes | None]:
+        values = self.store.get_many(keys, self.timeout)
+        if len(values) != len(keys):
+            raise StoreError(f"asked for {len(keys)} values, got {len(values)}")
+        return values
+
+    def _valid_run(self, hashes: list[int], values: list[bytes | None]) -> list[memoryview]:
+        """The payloads of the leading run of `values` that are present and valid."""
+        payloads: list[memoryview] = []
+        for h, value in zip(hashes, values, strict=True):
+            if value is None:
+                break
+            try:
+                payloads.append(decode(self.spec, h, value))
+            except CorruptValue:
+                self._count(corrupt_blocks=1)
+                break
+        return payloads

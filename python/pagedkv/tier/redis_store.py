@@ -14,11 +14,22 @@ from typing import TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from pagedkv.tier.store import StoreError, StoreTimeout, leading_run
 
 T = TypeVar("T")
+
+# Values larger than this go to the socket as their own buffers, never copied into a command.
+_INLINE_BYTES = 6000
+
+
+def _encode(arg: bytes | memoryview | str | int | float) -> bytes | memoryview:
+    """A command argument as the bytes that go on the wire (keys and values pass as they are)."""
+    if isinstance(arg, (bytes, memoryview)):
+        return arg
+    return str(arg).encode()
 
 
 class RedisStore:
@@ -38,27 +49,32 @@ class RedisStore:
         self.ttl = ttl
         self._clients: dict[float, redis.Redis] = {}
         self._lock = threading.Lock()
-        self._client(timeout)  # a bad URL fails here, not at the first call
+        self.client()  # a bad URL fails here, not at the first call
 
-    def _client(self, timeout: float) -> redis.Redis:
-        """A client whose sockets time out after `timeout` seconds (one pool per timeout)."""
+    def client(self, timeout: float | None = None) -> redis.Redis:
+        """The redis-py client the store uses, its sockets timing out after `timeout` seconds
+        (the store's own by default); one connection pool per timeout."""
+        timeout = self.timeout if timeout is None else timeout
         with self._lock:
             client = self._clients.get(timeout)
             if client is None:
                 # No retries: redis-py's default retries with backoff would hold a call far
-                # past its timeout, and a miss is cheaper than waiting.
+                # past its timeout, and a miss is cheaper than waiting. Replies are parsed by
+                # hiredis when installed; commands are packed by redis-py's Python packer,
+                # which sends a large value as it is, where hiredis' packer copies it twice.
                 client = redis.Redis.from_url(
                     self.url,
                     socket_timeout=timeout,
                     socket_connect_timeout=timeout,
                     retry=Retry(NoBackoff(), 0),
+                    command_packer=PythonRespSerializer(_INLINE_BYTES, _encode),
                 )
                 self._clients[timeout] = client
             return client
 
     def _call(self, timeout: float, op: Callable[[redis.Redis], T]) -> T:
         try:
-            return op(self._client(timeout))
+            return op(self.client(timeout))
         except redis.TimeoutError as e:
             raise StoreTimeout(f"redis at {self.url}: {e}") from e
         except (redis.RedisError, OSError) as e:
