@@ -7,7 +7,7 @@ built there with its own target folder; then each round runs the baseline's benc
 this tree's, one after the other. A figure is any summary line a bench prints as
 `<what>: <number> us`.
 
-    python benches/compare.py                            # against main, benches admission, manager
+    python benches/compare.py                   # against main: the admission and manager benches
     python benches/compare.py --rev v0.1.0 --bench manager --rounds 5
 """
 
@@ -46,6 +46,18 @@ def build(tree: Path, target: Path, benches: list[str]) -> dict[str, Path]:
     if missing:
         raise SystemExit(f"no executable for benches {sorted(missing)} in {tree}")
     return found
+
+
+def declare_benches(manifest: Path, benches: list[str]) -> None:
+    """Adds to the baseline's manifest the benches it does not declare yet."""
+    text = manifest.read_text()
+    for bench in benches:
+        if f'name = "{bench}"' not in text:
+            text += (
+                f'\n[[bench]]\nname = "{bench}"\npath = "../../benches/{bench}.rs"\n'
+                "harness = false\n"
+            )
+    manifest.write_text(text)
 
 
 def run(exe: Path, cwd: Path) -> dict[str, float]:
@@ -90,7 +102,7 @@ def main() -> int:
     subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
     for source in (ROOT / "benches").glob("*.rs"):
         shutil.copy(source, base / "benches" / source.name)
-    shutil.copy(ROOT / "rust/core/Cargo.toml", base / "rust/core/Cargo.toml")
+    declare_benches(base / "rust/core/Cargo.toml", benches)
     print(f"building {args.rev} in {base} and this tree", file=sys.stderr)
     exes = {"base": build(base, base_target, benches), "ours": build(ROOT, ours_target, benches)}
     figures: dict[tuple[str, str, str], list[float]] = {}

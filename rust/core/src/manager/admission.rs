@@ -226,8 +226,101 @@ impl BlockManager {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use crate::events::EventKind;
     use crate::manager::testing::*;
-    use crate::{Error, Plan, Token};
+    use crate::{BlockHash, Error, Plan, PoolKind, Token};
+
+    /// The published chain exactly as SEMANTICS.md defines it, computed with BLAKE3 directly.
+    fn blake3_hashes(
+        key: &[u8; 32],
+        salt: Option<&[u8]>,
+        tokens: &[Token],
+        bs: usize,
+    ) -> Vec<BlockHash> {
+        let mut root = blake3::Hasher::new_keyed(key);
+        root.update(b"pagedkv/root");
+        match salt {
+            None => root.update(&[0]),
+            Some(salt) => root
+                .update(&[1])
+                .update(&(salt.len() as u64).to_le_bytes())
+                .update(salt),
+        };
+        let mut chain = *root.finalize().as_bytes();
+        tokens
+            .chunks_exact(bs)
+            .map(|block| {
+                let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+                chain = *blake3::keyed_hash(&chain, &bytes).as_bytes();
+                u128::from_le_bytes(chain[..16].try_into().unwrap())
+            })
+            .collect()
+    }
+
+    /// `(hash, parent)` of each `BlockStored` event.
+    fn stored(mgr: &crate::BlockManager) -> Vec<(BlockHash, Option<BlockHash>)> {
+        mgr.take_events()
+            .into_iter()
+            .filter_map(|e| match e.kind {
+                EventKind::BlockStored {
+                    block_hash,
+                    parent_hash,
+                    ..
+                } => Some((block_hash, parent_hash)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whatever keys the prefix map, every hash that leaves the process is the BLAKE3 chain:
+    /// `block_hashes`, the fingerprint, events and `stored_hashes`, including the blocks a
+    /// sequence registers after a hit (whose chain continues from the hit's stored value).
+    #[test]
+    fn published_hashes_are_the_blake3_chain() {
+        let key = [7u8; 32];
+        let mgr = manager(32, 4, |c| {
+            c.hash_key = Some(key);
+            c.enable_events = true;
+        });
+        let prompt: Vec<Token> = (100..117).collect(); // 4 full blocks and one token
+        let expected = blake3_hashes(&key, None, &prompt, 4);
+        assert_eq!(mgr.block_hashes(&prompt, None).unwrap(), expected);
+        let salted = blake3_hashes(&key, Some(b"tenant"), &prompt, 4);
+        assert_eq!(mgr.block_hashes(&prompt, Some(b"tenant")).unwrap(), salted);
+        assert_ne!(salted, expected);
+        let fingerprint = blake3::keyed_hash(&key, b"pagedkv/fingerprint");
+        assert_eq!(
+            mgr.hash_key_fingerprint(),
+            Some(u64::from_le_bytes(
+                fingerprint.as_bytes()[..8].try_into().unwrap()
+            ))
+        );
+
+        mgr.allocate(1, &prompt[..9], None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.commit(&[1], None).unwrap();
+        assert_eq!(
+            stored(&mgr),
+            vec![(expected[0], None), (expected[1], Some(expected[0]))]
+        );
+        // A hit on both blocks, then two more blocks computed after them.
+        assert_eq!(mgr.allocate(2, &prompt, None).unwrap(), 8);
+        prefill(&mgr, &[2]);
+        mgr.commit(&[2], None).unwrap();
+        assert_eq!(
+            stored(&mgr),
+            vec![
+                (expected[2], Some(expected[1])),
+                (expected[3], Some(expected[2]))
+            ]
+        );
+        let mut gpu = mgr.stored_hashes(PoolKind::Gpu);
+        gpu.sort_unstable();
+        let mut all = expected.clone();
+        all.sort_unstable();
+        assert_eq!(gpu, all);
+        mgr.check().unwrap();
+    }
 
     #[test]
     fn external_loads_become_computed_when_confirmed() {
