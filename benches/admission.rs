@@ -231,6 +231,44 @@ fn bench_step_under_admission(c: &mut Criterion) {
     g.bench_function("step_alone", |b| {
         b.iter_custom(|iters| record("step_alone", decode.run(iters), iters))
     });
+    // The memory-bound limits of a step: writing the plan it returns (the CSR of every page
+    // plus the per-sequence arrays) from a copy of it, and writing the per-sequence arrays
+    // alone (all that changes in a step when block tables persist across steps).
+    let snapshot = decode.plan.clone();
+    let mut out = Plan::new();
+    let copy = |dst: &mut Vec<i32>, src: &[i32]| {
+        dst.clear();
+        dst.extend_from_slice(src);
+    };
+    g.bench_function("limit_write_plan", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let src = black_box(&snapshot);
+                copy(&mut out.kv_indices, &src.kv_indices);
+                copy(&mut out.kv_indptr, &src.kv_indptr);
+                copy(&mut out.kv_last_page_len, &src.kv_last_page_len);
+                copy(&mut out.qo_indptr, &src.qo_indptr);
+                copy(&mut out.slot_mapping, &src.slot_mapping);
+                copy(&mut out.positions, &src.positions);
+                black_box(&out);
+            }
+            record("limit_plan", start.elapsed(), iters)
+        })
+    });
+    g.bench_function("limit_write_per_sequence", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let src = black_box(&snapshot);
+                copy(&mut out.kv_last_page_len, &src.kv_last_page_len);
+                copy(&mut out.slot_mapping, &src.slot_mapping);
+                copy(&mut out.positions, &src.positions);
+                black_box(&out);
+            }
+            record("limit_batch", start.elapsed(), iters)
+        })
+    });
     let stop = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicU64::new(0));
     let admitter = {
@@ -285,6 +323,24 @@ fn main() {
             println!(
                 "{what} as a fraction of its memory-bound limit: {:.3}",
                 l / t
+            );
+        }
+    }
+    for (limit, what) in [
+        (
+            "limit_plan",
+            "writing the whole plan (CSR rebuilt each step)",
+        ),
+        (
+            "limit_batch",
+            "writing per-sequence arrays only (persistent tables)",
+        ),
+    ] {
+        if let (Some(t), Some(l)) = (mean_ns("step_alone"), mean_ns(limit)) {
+            println!(
+                "step + plan as a fraction of its memory-bound limit, {what}: {:.3} ({:.3} us)",
+                l / t,
+                l / 1e3
             );
         }
     }
