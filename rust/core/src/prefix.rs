@@ -51,8 +51,10 @@ const SECRET: usize = 192;
 /// Tokens a map key hashes from a stack buffer; longer blocks stream.
 const INLINE_TOKENS: usize = 64;
 
-/// Words of `meta` per block: map key, parent map key, BLAKE3 chaining value.
-const META: usize = 8;
+/// One block's registration: `[key_lo, key_hi, parent_key_lo, parent_key_hi, chain[0..8], ..,
+/// chain[24..32]]`, in one cache line so a lookup's verification or a registration touches one.
+#[repr(C, align(64))]
+struct Registration([AtomicU64; 8]);
 
 /// An empty hint slot.
 const NO_BLOCK: BlockId = BlockId::MAX;
@@ -89,15 +91,14 @@ pub(crate) struct PrefixCache {
     unsalted_root: Chain,
     block_size: usize,
     shards: Box<[Mutex<Shard>]>,
-    /// Per block: `[key_lo, key_hi, parent_key_lo, parent_key_hi, chain[0..8], .., chain[24..32]]`
-    /// of its registration.
-    meta: Box<[AtomicU64]>,
+    /// Per block: its registration.
+    meta: Box<[Registration]>,
     /// Per block: its `block_size` tokens at registration.
     tokens: Box<[AtomicU32]>,
     /// A lock-free first probe: slot `key mod len` holds the block last registered under a key
-    /// of that slot, or `NO_BLOCK`. Only a hint: a hinted block is verified exactly like one
-    /// from the map (hashed, key, parent, tokens), and a lookup falls back to the map when the
-    /// hint is empty or wrong. Written under the key's shard lock.
+    /// of that slot (perhaps evicted since), or `NO_BLOCK`. Only a hint: a hinted block is
+    /// verified exactly like one from the map (hashed, key, parent, tokens), and a lookup falls
+    /// back to the map when the hint is empty or wrong. Written under the key's shard lock.
     hints: Box<[AtomicU32]>,
 }
 
@@ -201,7 +202,9 @@ impl PrefixCache {
             unsalted_root: root_of(&key, None),
             block_size: block_size as usize,
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            meta: try_boxed(META * n, |_| AtomicU64::new(0))?,
+            meta: try_boxed(n, |_| {
+                Registration(std::array::from_fn(|_| AtomicU64::new(0)))
+            })?,
             tokens: try_boxed(n * block_size as usize, |_| AtomicU32::new(0))?,
             hints: try_boxed((2 * n).next_power_of_two(), |_| AtomicU32::new(NO_BLOCK))?,
         })
@@ -349,9 +352,8 @@ impl PrefixCache {
         .or_else(|| verify(self.get(key)?))
     }
 
-    fn meta(&self, block: BlockId) -> &[AtomicU64] {
-        let b = block as usize;
-        &self.meta[META * b..META * (b + 1)]
+    fn meta(&self, block: BlockId) -> &[AtomicU64; 8] {
+        &self.meta[block as usize].0
     }
 
     /// Whether `block`'s registered contents are exactly `(key, parent, tokens)`.
@@ -436,14 +438,9 @@ impl PrefixCache {
         let key = self.key_of(block);
         let mut shard = lock(self.shard(key));
         if shard.get(&key) == Some(&block) {
+            // The hint may keep pointing at the block: it no longer verifies (unhashed, or
+            // registered under another key), and leaving it saves the eviction a cache miss.
             shard.remove(&key);
-            // A failure means the slot already hints at another key's block.
-            let _ = self.hint(key).compare_exchange(
-                block,
-                NO_BLOCK,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
             removed();
         }
     }
