@@ -51,10 +51,10 @@ const SECRET: usize = 192;
 /// Tokens a map key hashes from a stack buffer; longer blocks stream.
 const INLINE_TOKENS: usize = 64;
 
-/// One block's registration: `[key_lo, key_hi, parent_key_lo, parent_key_hi, chain[0..8], ..,
-/// chain[24..32]]`, in one cache line so a lookup's verification or a registration touches one.
-#[repr(C, align(64))]
-struct Registration([AtomicU64; 8]);
+/// What a lookup verifies of a block's registration: `[key_lo, key_hi, parent_key_lo,
+/// parent_key_hi]`, half a cache line.
+#[repr(C, align(32))]
+struct Registration([AtomicU64; 4]);
 
 /// An empty hint slot.
 const NO_BLOCK: BlockId = BlockId::MAX;
@@ -93,6 +93,9 @@ pub(crate) struct PrefixCache {
     shards: Box<[Mutex<Shard>]>,
     /// Per block: its registration.
     meta: Box<[Registration]>,
+    /// Per block: the BLAKE3 chaining value of its registration, apart from what lookups
+    /// verify (read only by hits, events and audits).
+    chains: Box<[[AtomicU64; 4]]>,
     /// Per block: its `block_size` tokens at registration.
     tokens: Box<[AtomicU32]>,
     /// A lock-free first probe: slot `key mod len` holds the block last registered under a key
@@ -205,6 +208,7 @@ impl PrefixCache {
             meta: try_boxed(n, |_| {
                 Registration(std::array::from_fn(|_| AtomicU64::new(0)))
             })?,
+            chains: try_boxed(n, |_| std::array::from_fn(|_| AtomicU64::new(0)))?,
             tokens: try_boxed(n * block_size as usize, |_| AtomicU32::new(0))?,
             hints: try_boxed((2 * n).next_power_of_two(), |_| AtomicU32::new(NO_BLOCK))?,
         })
@@ -352,7 +356,7 @@ impl PrefixCache {
         .or_else(|| verify(self.get(key)?))
     }
 
-    fn meta(&self, block: BlockId) -> &[AtomicU64; 8] {
+    fn meta(&self, block: BlockId) -> &[AtomicU64; 4] {
         &self.meta[block as usize].0
     }
 
@@ -386,7 +390,7 @@ impl PrefixCache {
     /// The BLAKE3 chaining value `block` was registered with.
     pub(crate) fn chain_of(&self, block: BlockId) -> Chain {
         let mut chain = [0u8; 32];
-        for (dst, word) in chain.chunks_exact_mut(8).zip(&self.meta(block)[4..]) {
+        for (dst, word) in chain.chunks_exact_mut(8).zip(&self.chains[block as usize]) {
             dst.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
         }
         chain
@@ -415,13 +419,21 @@ impl PrefixCache {
         }
         let [key_lo, key_hi] = split(key);
         let [parent_lo, parent_hi] = split(parent);
-        let words = [key_lo, key_hi, parent_lo, parent_hi].into_iter().chain(
-            chain
-                .chunks_exact(8)
-                .map(|w| u64::from_le_bytes(w.try_into().expect("8"))),
-        );
-        for (slot, value) in self.meta(block).iter().zip(words) {
+        for (slot, value) in self
+            .meta(block)
+            .iter()
+            .zip([key_lo, key_hi, parent_lo, parent_hi])
+        {
             slot.store(value, Ordering::Relaxed);
+        }
+        for (slot, word) in self.chains[block as usize]
+            .iter()
+            .zip(chain.chunks_exact(8))
+        {
+            slot.store(
+                u64::from_le_bytes(word.try_into().expect("8 bytes")),
+                Ordering::Relaxed,
+            );
         }
         let b = block as usize;
         for (slot, &t) in self.tokens[b * self.block_size..].iter().zip(tokens) {
