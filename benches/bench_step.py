@@ -11,12 +11,20 @@ and plan digests.
     python benches/bench_step.py                 # 1000 requests
     python benches/bench_step.py --quick         # CI smoke run
     python benches/bench_step.py --requests 4000 --seed 7 --enforce
+    python benches/bench_step.py --against /tmp/base/python   # this build against another one
+
+With `--against DIR` it times pagedkv alone, this build and the build whose `pagedkv` package
+is in DIR (e.g. another revision's `python/` with its compiled `_core`), each in a fresh
+interpreter, alternating for `--rounds` rounds, and prints the medians and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import statistics
+import subprocess
 import sys
 import time
 from collections import deque
@@ -174,6 +182,28 @@ def report(name: str, r: RunResult) -> None:
     )
 
 
+def against(args: argparse.Namespace, argv: list[str]) -> int:
+    """Times this build and the one in `args.against`, alternating, in fresh interpreters."""
+    ours = str(Path(__file__).resolve().parents[1] / "python")
+    skip = {"--against", "--rounds"}
+    passed = [a for i, a in enumerate(argv) if a not in skip and argv[i - 1] not in skip]
+    command = [sys.executable, __file__, *passed, "--pagedkv-only"]
+    times: dict[str, list[float]] = {"this build": [], args.against: []}
+    for round_ in range(args.rounds):
+        for name, path in (("this build", ours), (args.against, args.against)):
+            env = dict(os.environ, PYTHONPATH=path)
+            out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+            ns = float(out.stdout.split("ns_per_token=")[1].split()[0])
+            times[name].append(ns)
+            print(f"round {round_ + 1}: {name}: {ns:.1f} ns/decode token", flush=True)
+    now, then = (statistics.median(times[k]) for k in ("this build", args.against))
+    print(
+        f"median over {args.rounds} rounds: {then:.1f} -> {now:.1f} ns/decode token, "
+        f"ratio {now / then:.3f} ({then / now:.2f}x faster than {args.against})"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000, help="requests in the trace")
@@ -185,7 +215,14 @@ def main() -> int:
     parser.add_argument(
         "--enforce", action="store_true", help="exit 1 when a performance target is missed"
     )
+    parser.add_argument(
+        "--against", metavar="DIR", help="compare with the pagedkv package found in DIR"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --against (default 3)")
+    parser.add_argument("--pagedkv-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.against:
+        return against(args, sys.argv[1:])
     requests = 100 if args.quick else args.requests
     trace = make_trace(requests, args.seed)
     print(
@@ -194,6 +231,13 @@ def main() -> int:
         f"{trace.output_lens.mean():.0f}; pool {args.num_blocks} x {args.block_size}, "
         f"max running {args.max_running}"
     )
+    if args.pagedkv_only:
+        gc.collect()
+        mgr = BlockManager(args.num_blocks, args.block_size, hash_key=bytes(32))
+        r = serve(mgr, trace, args.max_running)
+        report("pagedkv", r)
+        print(f"ns_per_token={r.step_ns / r.decode_tokens}")
+        return 0
     results = {}
     for name, cls in (("pagedkv", BlockManager), ("python", PythonBlockManager)):
         gc.collect()

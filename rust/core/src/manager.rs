@@ -215,10 +215,9 @@ impl BlockManager {
         let (block, evicted) = self.gpu.take_reserved();
         if evicted {
             if let Some(prefix) = &self.prefix {
-                let hash = prefix.hash_of(block);
-                prefix.unregister(block, hash, || {
+                prefix.unregister(block, || {
                     self.events.record(|| EventKind::BlockRemoved {
-                        block_hash: hash,
+                        block_hash: prefix.hash_of(block),
                         block_id: block,
                         medium: PoolKind::Gpu,
                     })

@@ -1,15 +1,26 @@
-//! The prefix cache: chained keyed hashes of full blocks and the map from hash to the physical
-//! block holding that content, with each registered block's parent hash and tokens kept so a
-//! hit can be verified (a forged hash collision is a miss, never another sequence's KV).
+//! The prefix cache: the map from a full block's contents (with its whole prefix) to the
+//! physical block holding them, with each registered block's parent and tokens kept so a hit
+//! can be verified (a forged or accidental key collision is a miss, never another sequence's KV).
 //!
-//! The chain: `c_root = BLAKE3_keyed(key, "pagedkv/root" || salt)`, then block `i`'s chaining
-//! value `c_i = BLAKE3_keyed(c_{i-1}, tokens_i)`: each link is keyed by the previous 256-bit
-//! value, so the whole prefix and the salt are bound in, and a 16-token block is one BLAKE3
-//! compression (parent and tokens in one message would take two). A block's hash is the first
-//! 128 bits of its chaining value.
+//! Two chains of keyed hashes run over a sequence's full blocks:
+//! - the **map key**, in-process only: `k_i = XXH3-128_secret(k_{i-1} || tokens_i)`, with the
+//!   secret drawn from the manager's key. A hit is verified by the stored parent key and tokens,
+//!   so this hash only has to be keyed and well spread; a 16-token block costs a few ns.
+//! - the **published hash** (events, `block_hashes`, `stored_hashes`, the external tier): the
+//!   BLAKE3 chaining value `c_i = BLAKE3_keyed(c_{i-1}, tokens_i)` from
+//!   `c_root = BLAKE3_keyed(key, "pagedkv/root" || salt)`. Each link is keyed by the previous
+//!   256-bit value, so the whole prefix and the salt are bound in, and a 16-token block is one
+//!   BLAKE3 compression. A block's hash is the first 128 bits of its chaining value. It must be
+//!   stable across processes and hard to forge, so it stays BLAKE3; a registered block keeps
+//!   its chaining value, and a hit reads it instead of hashing the prompt again.
+//!
+//! A prompt is hashed before its admission takes any lock ([`PromptHashes`]), and a retry after
+//! a lost race reuses its map keys.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+
+use xxhash_rust::xxh3::{xxh3_128_with_secret, Xxh3};
 
 use crate::block::BlockState;
 use crate::bookkeeping::{try_boxed, TooLarge};
@@ -17,11 +28,14 @@ use crate::pool::BlockPool;
 use crate::sync::{lock, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, Token};
 
-/// A 128-bit block hash: the first half of the block's chaining value.
+/// A 128-bit block hash: the first half of the block's BLAKE3 chaining value.
 pub type BlockHash = u128;
 
-/// The full 256-bit chaining value of a prefix (keys the next block's hash).
+/// The full 256-bit BLAKE3 chaining value of a prefix (keys the next block's hash).
 pub(crate) type Chain = [u8; 32];
+
+/// A block's key in the prefix map (never leaves the process).
+pub(crate) type MapKey = u128;
 
 /// The block hash of a chaining value.
 pub(crate) fn block_hash_of(chain: &Chain) -> BlockHash {
@@ -31,7 +45,21 @@ pub(crate) fn block_hash_of(chain: &Chain) -> BlockHash {
 
 const SHARDS: usize = 64;
 
-/// The keys are already uniformly random (keyed BLAKE3), so the map uses their low bits as is.
+/// XXH3's default secret size (at least 136 bytes).
+const SECRET: usize = 192;
+
+/// Tokens a map key hashes from a stack buffer; longer blocks stream.
+const INLINE_TOKENS: usize = 64;
+
+/// What a lookup verifies of a block's registration: `[key_lo, key_hi, parent_key_lo,
+/// parent_key_hi]`, half a cache line.
+#[repr(C, align(32))]
+struct Registration([AtomicU64; 4]);
+
+/// An empty hint slot.
+const NO_BLOCK: BlockId = BlockId::MAX;
+
+/// The keys are already uniformly random (keyed XXH3), so the map uses their low bits as is.
 #[derive(Default)]
 pub(crate) struct PassThrough(u64);
 
@@ -52,25 +80,109 @@ impl Hasher for PassThrough {
     }
 }
 
-type Shard = HashMap<BlockHash, BlockId, BuildHasherDefault<PassThrough>>;
+type Shard = HashMap<MapKey, BlockId, BuildHasherDefault<PassThrough>>;
 
 /// Hashes, map and registered contents of one GPU pool.
 pub(crate) struct PrefixCache {
     key: [u8; 32],
+    /// The map key's XXH3 secret, drawn from `key`.
+    secret: [u8; SECRET],
+    /// The BLAKE3 chaining value before block 0 without a salt (the usual case).
+    unsalted_root: Chain,
     block_size: usize,
     shards: Box<[Mutex<Shard>]>,
-    /// Per block: `[hash_lo, hash_hi, parent_lo, parent_hi]` of its registration.
-    meta: Box<[AtomicU64]>,
+    /// Per block: its registration.
+    meta: Box<[Registration]>,
+    /// Per block: the BLAKE3 chaining value of its registration, apart from what lookups
+    /// verify (read only by hits, events and audits).
+    chains: Box<[[AtomicU64; 4]]>,
     /// Per block: its `block_size` tokens at registration.
     tokens: Box<[AtomicU32]>,
+    /// A lock-free first probe: slot `key mod len` holds the block last registered under a key
+    /// of that slot (perhaps evicted since), or `NO_BLOCK`. Only a hint: a hinted block is
+    /// verified exactly like one from the map (hashed, key, parent, tokens), and a lookup falls
+    /// back to the map when the hint is empty or wrong. Written under the key's shard lock.
+    hints: Box<[AtomicU32]>,
 }
 
-fn split(h: BlockHash) -> (u64, u64) {
-    (h as u64, (h >> 64) as u64)
+fn split(h: u128) -> [u64; 2] {
+    [h as u64, (h >> 64) as u64]
 }
 
-fn join(lo: u64, hi: u64) -> BlockHash {
+fn join(lo: u64, hi: u64) -> u128 {
     u128::from(lo) | (u128::from(hi) << 64)
+}
+
+/// The map key before block 0: the second half of the BLAKE3 root, so it binds the key and the
+/// salt and is never a published hash.
+pub(crate) fn root_key(root: &Chain) -> MapKey {
+    u128::from_le_bytes(root[16..].try_into().expect("16 bytes"))
+}
+
+/// A prompt hashed for admission: the map keys of its full blocks, the hits they verify, and
+/// the BLAKE3 chaining values the sequence will publish. Built before any lock is taken; a
+/// retry after a lost race reuses it (see [`PromptHashes::find_hits`]).
+pub(crate) struct PromptHashes {
+    pub(crate) root: Chain,
+    /// Map key of every full block.
+    pub(crate) keys: Vec<MapKey>,
+    /// Chaining value of every full block: read from the hit blocks (valid once they are
+    /// acquired in the state they were verified in), then computed for the rest.
+    pub(crate) chains: Vec<Chain>,
+    /// Verified hits, with the state each was verified in (for `acquire_hit`).
+    pub(crate) hits: Vec<(BlockId, BlockState)>,
+    /// Hits with refcount 0 (CACHED): taking them uses up an available block.
+    pub(crate) cached_hits: usize,
+    /// `chains[computed_from..]` were computed, starting from `chains[computed_from - 1]` as
+    /// it was then (the root when 0).
+    computed_from: usize,
+    base: Chain,
+}
+
+impl PromptHashes {
+    /// Walks the prefix map to the first miss among the first `hittable` blocks, reading each
+    /// hit's chaining value, then computes the chaining values after the hits unless a
+    /// previous walk already did from the same starting point. Read-only on the cache.
+    pub(crate) fn find_hits(
+        &mut self,
+        prefix: &PrefixCache,
+        pool: &BlockPool,
+        tokens: &[Token],
+        hittable: usize,
+    ) {
+        self.hits.clear();
+        self.cached_hits = 0;
+        let bs = prefix.block_size;
+        let mut parent = root_key(&self.root);
+        for (i, &key) in self.keys.iter().enumerate().take(hittable) {
+            let block_tokens = &tokens[i * bs..(i + 1) * bs];
+            let Some((block, state)) = prefix.find(pool, key, parent, block_tokens) else {
+                break;
+            };
+            self.cached_hits += usize::from(state.refcount() == 0);
+            self.hits.push((block, state));
+            // Read after `find`'s acquire load of the state, like the verified tokens: if
+            // `acquire_hit` later succeeds with that state, this is the hit's own chain.
+            self.chains[i] = prefix.chain_of(block);
+            parent = key;
+        }
+        let from = self.hits.len();
+        let base = if from == 0 {
+            self.root
+        } else {
+            self.chains[from - 1]
+        };
+        if from == self.computed_from && base == self.base {
+            return;
+        }
+        let mut chain = base;
+        for (i, block_tokens) in tokens.chunks_exact(bs).enumerate().skip(from) {
+            chain = prefix.hash_block(&chain, block_tokens);
+            self.chains[i] = chain;
+        }
+        self.computed_from = from;
+        self.base = base;
+    }
 }
 
 impl PrefixCache {
@@ -82,27 +194,32 @@ impl PrefixCache {
         block_size: u32,
     ) -> Result<PrefixCache, TooLarge> {
         let n = num_blocks as usize;
+        let mut secret = [0u8; SECRET];
+        blake3::Hasher::new_keyed(&key)
+            .update(b"pagedkv/map-secret")
+            .finalize_xof()
+            .fill(&mut secret);
         Ok(PrefixCache {
             key,
+            secret,
+            unsalted_root: root_of(&key, None),
             block_size: block_size as usize,
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            meta: try_boxed(4 * n, |_| AtomicU64::new(0))?,
+            meta: try_boxed(n, |_| {
+                Registration(std::array::from_fn(|_| AtomicU64::new(0)))
+            })?,
+            chains: try_boxed(n, |_| std::array::from_fn(|_| AtomicU64::new(0)))?,
             tokens: try_boxed(n * block_size as usize, |_| AtomicU32::new(0))?,
+            hints: try_boxed((2 * n).next_power_of_two(), |_| AtomicU32::new(NO_BLOCK))?,
         })
     }
 
     /// The chaining value before a sequence's first block: binds the key and the tenant salt.
     pub(crate) fn root(&self, salt: Option<&[u8]>) -> Chain {
-        let mut hasher = blake3::Hasher::new_keyed(&self.key);
-        hasher.update(b"pagedkv/root");
         match salt {
-            None => hasher.update(&[0]),
-            Some(salt) => hasher
-                .update(&[1])
-                .update(&(salt.len() as u64).to_le_bytes())
-                .update(salt),
-        };
-        *hasher.finalize().as_bytes()
+            None => self.unsalted_root,
+            Some(_) => root_of(&self.key, salt),
+        }
     }
 
     /// A public 64-bit fingerprint of the key: equal for managers that hash alike, and reveals
@@ -112,7 +229,7 @@ impl PrefixCache {
         u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
     }
 
-    /// The chaining value of one full block after `parent`.
+    /// The BLAKE3 chaining value of one full block after `parent`.
     pub(crate) fn hash_block(&self, parent: &Chain, tokens: &[Token]) -> Chain {
         const CHUNK: usize = 64;
         let mut buf = [0u8; 4 * CHUNK];
@@ -133,13 +250,84 @@ impl PrefixCache {
         *hasher.finalize().as_bytes()
     }
 
-    fn shard(&self, hash: BlockHash) -> &Mutex<Shard> {
-        &self.shards[(hash >> 64) as usize % SHARDS]
+    /// The map key of one full block after the block keyed `parent`.
+    pub(crate) fn key_block(&self, parent: MapKey, tokens: &[Token]) -> MapKey {
+        let mut buf = [0u8; 16 + 4 * INLINE_TOKENS];
+        buf[..16].copy_from_slice(&parent.to_le_bytes());
+        if tokens.len() <= INLINE_TOKENS {
+            let len = 16 + 4 * tokens.len();
+            for (dst, t) in buf[16..len].chunks_exact_mut(4).zip(tokens) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            return xxh3_128_with_secret(&buf[..len], &self.secret);
+        }
+        let mut hasher = Xxh3::with_secret(self.secret);
+        hasher.update(&buf[..16]);
+        for chunk in tokens.chunks(INLINE_TOKENS) {
+            for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            hasher.update(&buf[..4 * chunk.len()]);
+        }
+        hasher.digest128()
     }
 
-    /// The block registered under `hash`, if any (unverified: see [`PrefixCache::matches`]).
-    pub(crate) fn get(&self, hash: BlockHash) -> Option<BlockId> {
-        lock(self.shard(hash)).get(&hash).copied()
+    /// Hashes a prompt for admission: the root and every full block's map key, no lookup yet
+    /// (see [`PromptHashes::find_hits`]). Takes no lock.
+    pub(crate) fn hash_prompt(&self, tokens: &[Token], salt: Option<&[u8]>) -> PromptHashes {
+        let root = self.root(salt);
+        let full = tokens.len() / self.block_size;
+        let mut keys = Vec::with_capacity(full);
+        let mut key = root_key(&root);
+        for block_tokens in tokens.chunks_exact(self.block_size) {
+            key = self.key_block(key, block_tokens);
+            keys.push(key);
+        }
+        PromptHashes {
+            root,
+            keys,
+            chains: vec![[0; 32]; full],
+            hits: Vec::new(),
+            cached_hits: 0,
+            computed_from: usize::MAX,
+            base: [0; 32],
+        }
+    }
+
+    /// The verified hits among the first `hittable` full blocks of a prompt, up to the first
+    /// miss, and how many of them are CACHED; hashes only the blocks it walks. Read-only.
+    pub(crate) fn count_hits(
+        &self,
+        pool: &BlockPool,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+        hittable: usize,
+    ) -> (usize, usize) {
+        let (mut hits, mut cached) = (0, 0);
+        let mut parent = root_key(&self.root(salt));
+        for block_tokens in tokens.chunks_exact(self.block_size).take(hittable) {
+            let key = self.key_block(parent, block_tokens);
+            let Some((_, state)) = self.find(pool, key, parent, block_tokens) else {
+                break;
+            };
+            hits += 1;
+            cached += usize::from(state.refcount() == 0);
+            parent = key;
+        }
+        (hits, cached)
+    }
+
+    fn shard(&self, key: MapKey) -> &Mutex<Shard> {
+        &self.shards[(key >> 64) as usize % SHARDS]
+    }
+
+    fn hint(&self, key: MapKey) -> &AtomicU32 {
+        &self.hints[key as usize & (self.hints.len() - 1)]
+    }
+
+    /// The block registered under `key`, if any (unverified: see [`PrefixCache::matches`]).
+    pub(crate) fn get(&self, key: MapKey) -> Option<BlockId> {
+        lock(self.shard(key)).get(&key).copied()
     }
 
     /// The block of `pool` registered with exactly this content, with the state it was verified
@@ -151,29 +339,41 @@ impl PrefixCache {
     pub(crate) fn find(
         &self,
         pool: &BlockPool,
-        hash: BlockHash,
-        parent: BlockHash,
+        key: MapKey,
+        parent: MapKey,
         tokens: &[Token],
     ) -> Option<(BlockId, BlockState)> {
-        let block = self.get(hash)?;
-        let state = pool.state(block);
-        (state.hashed() && self.matches(block, hash, parent, tokens)).then_some((block, state))
+        let verify = |block| {
+            let state = pool.state(block);
+            (state.hashed() && self.matches(block, key, parent, tokens)).then_some((block, state))
+        };
+        // A hashed block registered under `key` is the one the map holds for it (a block is
+        // hashed exactly while mapped), so a verified hint is the map's answer without its lock.
+        match self.hint(key).load(Ordering::Relaxed) {
+            NO_BLOCK => None,
+            hinted => verify(hinted),
+        }
+        .or_else(|| verify(self.get(key)?))
     }
 
-    /// Whether `block`'s registered contents are exactly `(hash, parent, tokens)`.
+    fn meta(&self, block: BlockId) -> &[AtomicU64; 4] {
+        &self.meta[block as usize].0
+    }
+
+    /// Whether `block`'s registered contents are exactly `(key, parent, tokens)`.
     pub(crate) fn matches(
         &self,
         block: BlockId,
-        hash: BlockHash,
-        parent: BlockHash,
+        key: MapKey,
+        parent: MapKey,
         tokens: &[Token],
     ) -> bool {
-        let b = block as usize;
-        let m = &self.meta[4 * b..4 * b + 4];
+        let m = self.meta(block);
         let load = |i: usize| m[i].load(Ordering::Relaxed);
-        if join(load(0), load(1)) != hash || join(load(2), load(3)) != parent {
+        if join(load(0), load(1)) != key || join(load(2), load(3)) != parent {
             return false;
         }
+        let b = block as usize;
         let stored = &self.tokens[b * self.block_size..(b + 1) * self.block_size];
         stored
             .iter()
@@ -181,61 +381,94 @@ impl PrefixCache {
             .all(|(s, &t)| s.load(Ordering::Relaxed) == t)
     }
 
-    /// The hash `block` was registered under.
-    pub(crate) fn hash_of(&self, block: BlockId) -> BlockHash {
-        let b = block as usize;
-        join(
-            self.meta[4 * b].load(Ordering::Relaxed),
-            self.meta[4 * b + 1].load(Ordering::Relaxed),
-        )
+    /// The map key `block` was registered under.
+    pub(crate) fn key_of(&self, block: BlockId) -> MapKey {
+        let m = self.meta(block);
+        join(m[0].load(Ordering::Relaxed), m[1].load(Ordering::Relaxed))
     }
 
-    /// Registers `block` (held by the caller, full) under `hash` unless the hash is already
+    /// The BLAKE3 chaining value `block` was registered with.
+    pub(crate) fn chain_of(&self, block: BlockId) -> Chain {
+        let mut chain = [0u8; 32];
+        for (dst, word) in chain.chunks_exact_mut(8).zip(&self.chains[block as usize]) {
+            dst.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
+        }
+        chain
+    }
+
+    /// The (published) hash `block` was registered with.
+    pub(crate) fn hash_of(&self, block: BlockId) -> BlockHash {
+        block_hash_of(&self.chain_of(block))
+    }
+
+    /// Registers `block` (held by the caller, full) under `key` unless the key is already
     /// mapped; then `publish` (flag the block, record the event) runs under the shard lock once the
-    /// contents are written, so a reset or an eviction of the same hash is ordered with it.
+    /// contents are written, so a reset or an eviction of the same key is ordered with it.
     pub(crate) fn register(
         &self,
         block: BlockId,
-        hash: BlockHash,
-        parent: BlockHash,
+        key: MapKey,
+        parent: MapKey,
+        chain: &Chain,
         tokens: &[Token],
         publish: impl FnOnce(),
     ) {
-        let mut shard = lock(self.shard(hash));
-        if shard.contains_key(&hash) {
+        let mut shard = lock(self.shard(key));
+        if shard.contains_key(&key) {
             return;
         }
-        let b = block as usize;
-        let (hash_lo, hash_hi) = split(hash);
-        let (parent_lo, parent_hi) = split(parent);
-        for (slot, value) in self.meta[4 * b..4 * b + 4]
+        let [key_lo, key_hi] = split(key);
+        let [parent_lo, parent_hi] = split(parent);
+        for (slot, value) in self
+            .meta(block)
             .iter()
-            .zip([hash_lo, hash_hi, parent_lo, parent_hi])
+            .zip([key_lo, key_hi, parent_lo, parent_hi])
         {
             slot.store(value, Ordering::Relaxed);
         }
+        for (slot, word) in self.chains[block as usize]
+            .iter()
+            .zip(chain.chunks_exact(8))
+        {
+            slot.store(
+                u64::from_le_bytes(word.try_into().expect("8 bytes")),
+                Ordering::Relaxed,
+            );
+        }
+        let b = block as usize;
         for (slot, &t) in self.tokens[b * self.block_size..].iter().zip(tokens) {
             slot.store(t, Ordering::Relaxed);
         }
         publish();
-        shard.insert(hash, block);
+        shard.insert(key, block);
+        self.hint(key).store(block, Ordering::Relaxed);
     }
 
-    /// Removes `hash` if it still maps to `block` (an evicted block's registration), running
+    /// Removes `block`'s registration if its key still maps to it (an evicted block), running
     /// `removed` under the shard lock if it did.
-    pub(crate) fn unregister(&self, block: BlockId, hash: BlockHash, removed: impl FnOnce()) {
-        let mut shard = lock(self.shard(hash));
-        if shard.get(&hash) == Some(&block) {
-            shard.remove(&hash);
+    pub(crate) fn unregister(&self, block: BlockId, removed: impl FnOnce()) {
+        let key = self.key_of(block);
+        let mut shard = lock(self.shard(key));
+        if shard.get(&key) == Some(&block) {
+            // The hint may keep pointing at the block: it no longer verifies (unhashed, or
+            // registered under another key), and leaving it saves the eviction a cache miss.
+            shard.remove(&key);
             removed();
         }
     }
 
-    /// Every registered hash (each shard read under its lock, one after another).
+    /// The published hash of every registered block (each shard read under its lock, one after
+    /// another: a block mapped there cannot be unregistered, so its registration is stable).
     pub(crate) fn hashes(&self) -> Vec<BlockHash> {
         self.shards
             .iter()
-            .flat_map(|shard| lock(shard).keys().copied().collect::<Vec<_>>())
+            .flat_map(|shard| {
+                let shard = lock(shard);
+                shard
+                    .values()
+                    .map(|&block| self.hash_of(block))
+                    .collect::<Vec<_>>()
+            })
             .collect()
     }
 
@@ -243,6 +476,20 @@ impl PrefixCache {
     pub(crate) fn lock_all(&self) -> Vec<MutexGuard<'_, Shard>> {
         self.shards.iter().map(lock).collect()
     }
+}
+
+/// `BLAKE3_keyed(key, "pagedkv/root" || salt)`, with the salt's presence and length bound in.
+fn root_of(key: &[u8; 32], salt: Option<&[u8]>) -> Chain {
+    let mut hasher = blake3::Hasher::new_keyed(key);
+    hasher.update(b"pagedkv/root");
+    match salt {
+        None => hasher.update(&[0]),
+        Some(salt) => hasher
+            .update(&[1])
+            .update(&(salt.len() as u64).to_le_bytes())
+            .update(salt),
+    };
+    *hasher.finalize().as_bytes()
 }
 
 #[cfg(all(test, not(loom)))]
@@ -264,6 +511,22 @@ mod tests {
     }
 
     #[test]
+    fn map_keys_chain_and_depend_on_key_and_salt() {
+        let a = PrefixCache::new([1; 32], 4, 4).unwrap();
+        let b = PrefixCache::new([2; 32], 4, 4).unwrap();
+        let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+        let keys = |c: &PrefixCache, salt: Option<&[u8]>| c.hash_prompt(&tokens, salt).keys;
+        let k = keys(&a, None);
+        assert_eq!(k.len(), 2);
+        assert_eq!(k, keys(&a, None));
+        assert_eq!(k[0], a.key_block(root_key(&a.root(None)), &tokens[..4]));
+        assert_eq!(k[1], a.key_block(k[0], &tokens[4..]));
+        assert_ne!(k[0], a.key_block(root_key(&a.root(None)), &tokens[4..]));
+        assert_ne!(k, keys(&a, Some(b"tenant")));
+        assert_ne!(k, keys(&b, None));
+    }
+
+    #[test]
     fn long_blocks_hash_all_tokens() {
         let c = PrefixCache::new([0; 32], 1, 200).unwrap();
         let tokens: Vec<u32> = (0..200).collect();
@@ -271,24 +534,77 @@ mod tests {
         other[199] = 7;
         let root = c.root(None);
         assert_ne!(c.hash_block(&root, &tokens), c.hash_block(&root, &other));
+        assert_ne!(c.key_block(0, &tokens), c.key_block(0, &other));
+        // Streamed and one-shot XXH3 agree, so the key is one function of parent and tokens.
+        let mut bytes = 0u128.to_le_bytes().to_vec();
+        bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+        assert_eq!(
+            c.key_block(0, &tokens),
+            xxh3_128_with_secret(&bytes, &c.secret)
+        );
     }
 
     #[test]
     fn register_verify_unregister() {
         let c = PrefixCache::new([0; 32], 2, 2).unwrap();
-        let h = block_hash_of(&c.hash_block(&c.root(None), &[1, 2]));
-        c.register(1, h, 5, &[1, 2], || {});
-        c.register(0, h, 5, &[1, 2], || panic!("already mapped"));
-        assert_eq!(c.get(h), Some(1));
-        assert!(c.matches(1, h, 5, &[1, 2]));
-        assert!(!c.matches(1, h, 6, &[1, 2]));
-        assert!(!c.matches(1, h, 5, &[1, 3]));
-        c.unregister(0, h, || panic!("not mapped to 0"));
-        assert_eq!(c.get(h), Some(1));
+        let chain = c.hash_block(&c.root(None), &[1, 2]);
+        let k = c.key_block(root_key(&c.root(None)), &[1, 2]);
+        c.register(1, k, 5, &chain, &[1, 2], || {});
+        c.register(0, k, 5, &chain, &[1, 2], || panic!("already mapped"));
+        assert_eq!(c.get(k), Some(1));
+        assert_eq!((c.key_of(1), c.chain_of(1)), (k, chain));
+        assert_eq!(c.hash_of(1), block_hash_of(&chain));
+        assert_eq!(c.hashes(), vec![block_hash_of(&chain)]);
+        assert!(c.matches(1, k, 5, &[1, 2]));
+        assert!(!c.matches(1, k, 6, &[1, 2]));
+        assert!(!c.matches(1, k, 5, &[1, 3]));
+        c.unregister(0, || panic!("not mapped to 0"));
+        assert_eq!(c.get(k), Some(1));
         let mut removed = false;
-        c.unregister(1, h, || removed = true);
+        c.unregister(1, || removed = true);
         assert!(removed);
-        assert_eq!(c.get(h), None);
+        assert_eq!(c.get(k), None);
+    }
+
+    /// A prompt whose first block is registered: the walk reads the hit's chain, computes the
+    /// rest once, and a second walk that finds the same hits recomputes nothing.
+    #[test]
+    fn prompt_hashes_read_hits_and_compute_the_rest_once() {
+        let pool = BlockPool::new(2).unwrap();
+        let c = PrefixCache::new([3; 32], 2, 2).unwrap();
+        let tokens = [1, 2, 3, 4, 5];
+        let root = c.root(None);
+        let chains = [
+            c.hash_block(&root, &tokens[..2]),
+            c.hash_block(&c.hash_block(&root, &tokens[..2]), &tokens[2..4]),
+        ];
+        let mut prompt = c.hash_prompt(&tokens, None);
+        prompt.find_hits(&c, &pool, &tokens, 2);
+        assert!(prompt.hits.is_empty());
+        assert_eq!(prompt.chains, chains);
+        assert_eq!(prompt.computed_from, 0);
+
+        let block = pool.allocate().unwrap();
+        let parent = root_key(&root);
+        c.register(
+            block,
+            prompt.keys[0],
+            parent,
+            &chains[0],
+            &tokens[..2],
+            || pool.mark_hashed(block),
+        );
+        prompt.find_hits(&c, &pool, &tokens, 2);
+        assert_eq!(prompt.hits.len(), 1);
+        assert_eq!((prompt.hits[0].0, prompt.cached_hits), (block, 0));
+        assert_eq!(prompt.chains, chains);
+        assert_eq!(prompt.computed_from, 1);
+        prompt.chains[1] = [9; 32]; // would be recomputed if the walk started elsewhere
+        prompt.find_hits(&c, &pool, &tokens, 2);
+        assert_eq!(prompt.chains[1], [9; 32]);
+        assert_eq!(c.count_hits(&pool, &tokens, None, 2), (1, 0));
+        assert_eq!(c.count_hits(&pool, &tokens, None, 0), (0, 0));
+        assert_eq!(c.count_hits(&pool, &tokens, Some(b"s"), 2), (0, 0));
     }
 }
 
@@ -298,34 +614,40 @@ mod loom_tests {
     use crate::pool::Hit;
     use loom::sync::Arc;
 
-    /// Two hashes in different shards, so only the block's state word orders the threads.
-    const OLD: BlockHash = 1 << 64;
-    const NEW: BlockHash = 2 << 64;
+    /// Two keys in different shards, so only the block's state word orders the threads.
+    const OLD: MapKey = 1 << 64;
+    const NEW: MapKey = 2 << 64;
     const OLD_TOKENS: [Token; 2] = [1, 1];
     const NEW_TOKENS: [Token; 2] = [2, 2];
+    const OLD_CHAIN: Chain = [1; 32];
+    const NEW_CHAIN: Chain = [2; 32];
 
     /// A one-block pool whose block is CACHED, registered as `OLD`.
     fn one_cached_block() -> (BlockPool, PrefixCache) {
         let pool = BlockPool::new(1).unwrap();
         let prefix = PrefixCache::new([0; 32], 1, 2).unwrap();
         let block = pool.allocate().unwrap();
-        prefix.register(block, OLD, 0, &OLD_TOKENS, || pool.mark_hashed(block));
+        prefix.register(block, OLD, 0, &OLD_CHAIN, &OLD_TOKENS, || {
+            pool.mark_hashed(block)
+        });
         pool.release_block(block, 0);
         (pool, prefix)
     }
 
-    /// `allocate`'s path for one block: lookup, reserve if the hit is CACHED, acquire.
+    /// `allocate`'s path for one block: lookup (reading the hit's chain), reserve if the hit
+    /// is CACHED, acquire.
     fn lookup_and_acquire(
         pool: &BlockPool,
         prefix: &PrefixCache,
-        hash: BlockHash,
+        key: MapKey,
         tokens: &[Token],
-    ) -> Option<(BlockId, Hit)> {
-        let (block, seen) = prefix.find(pool, hash, 0, tokens)?;
+    ) -> Option<(BlockId, Hit, Chain)> {
+        let (block, seen) = prefix.find(pool, key, 0, tokens)?;
+        let chain = prefix.chain_of(block);
         let needed = usize::from(seen.refcount() == 0);
         pool.reserve(needed).ok()?;
         match pool.acquire_hit(block, seen, 0) {
-            Some(hit) => Some((block, hit)),
+            Some(hit) => Some((block, hit, chain)),
             None => {
                 pool.unreserve(needed);
                 None
@@ -335,7 +657,7 @@ mod loom_tests {
 
     /// A lookup of `OLD` races a thread that evicts the block, registers `NEW` contents in it,
     /// lets it go (CACHED) and revives it by a `NEW` hit. Whatever the interleaving, a hit on
-    /// `OLD` holds `OLD`'s contents while it holds the block.
+    /// `OLD` holds `OLD`'s contents while it holds the block, and read `OLD`'s chain.
     #[test]
     fn lookup_races_evict_reregister_and_revive() {
         // Reaching a stale read takes three preemptions; the suite's default bound is two.
@@ -351,23 +673,29 @@ mod loom_tests {
                 }
                 let (block, evicted) = pool.take_reserved();
                 assert!(evicted);
-                prefix.unregister(block, prefix.hash_of(block), || {});
-                prefix.register(block, NEW, 0, &NEW_TOKENS, || pool.mark_hashed(block));
+                prefix.unregister(block, || {});
+                prefix.register(block, NEW, 0, &NEW_CHAIN, &NEW_TOKENS, || {
+                    pool.mark_hashed(block)
+                });
                 pool.release_block(block, 0);
                 lookup_and_acquire(pool, prefix, NEW, &NEW_TOKENS)
             });
             let (pool, prefix) = &*shared;
             let old_hit = lookup_and_acquire(pool, prefix, OLD, &OLD_TOKENS);
-            if let Some((block, _)) = old_hit {
+            if let Some((block, _, chain)) = old_hit {
+                assert_eq!(chain, OLD_CHAIN, "a hit on OLD read another chain");
                 assert!(
                     prefix.matches(block, OLD, 0, &OLD_TOKENS),
                     "a hit on OLD holds other contents"
                 );
             }
             let new_hit = reuser.join().unwrap();
-            if let Some((block, _)) = old_hit {
+            if let Some((block, _, _)) = old_hit {
                 assert!(prefix.matches(block, OLD, 0, &OLD_TOKENS));
                 assert!(new_hit.is_none(), "the block was never evicted");
+            }
+            if let Some((_, _, chain)) = new_hit {
+                assert_eq!(chain, NEW_CHAIN);
             }
             let holders = usize::from(old_hit.is_some()) + usize::from(new_hit.is_some());
             assert_eq!(pool.state(0).refcount() as usize, holders);

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::prefix::Chain;
+use crate::prefix::{root_key, Chain, MapKey};
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, SeqId, Token};
 
@@ -53,6 +53,8 @@ pub(crate) struct Sequence {
     /// `hashes[i]` is the chaining value of full block `i`, computed lazily (empty without
     /// prefix caching); at least the registered blocks are hashed.
     pub(crate) hashes: Vec<Chain>,
+    /// `keys[i]` is the prefix-map key of full block `i`, hashed along with `hashes[i]`.
+    pub(crate) keys: Vec<MapKey>,
     /// Chaining value before block 0 (binds the key and the salt).
     pub(crate) root: Chain,
 }
@@ -74,6 +76,7 @@ impl Sequence {
     pub(crate) fn new(
         tokens: Vec<Token>,
         table: Vec<BlockId>,
+        keys: Vec<MapKey>,
         hashes: Vec<Chain>,
         root: Chain,
         computed: usize,
@@ -82,6 +85,7 @@ impl Sequence {
         Sequence {
             tokens,
             table,
+            keys,
             hashes,
             root,
             swapped: false,
@@ -94,6 +98,14 @@ impl Sequence {
             copying: Vec::new(),
             swap_source: None,
             loading: None,
+        }
+    }
+
+    /// The prefix-map key before full block `i` (hashed up to `i - 1`).
+    pub(crate) fn parent_key(&self, i: usize) -> MapKey {
+        match i {
+            0 => root_key(&self.root),
+            _ => self.keys[i - 1],
         }
     }
 

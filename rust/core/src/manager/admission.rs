@@ -1,23 +1,14 @@
 //! Admission and the prefix cache: `allocate` (and `allocate_loading`) reuse the cached full
 //! blocks of a prompt's prefix; read-only lookups, block hashes and the cache's reset.
 
-use crate::block::BlockState;
 use crate::error::invalid;
 use crate::events::EventKind;
 use crate::manager::{check_room, BlockManager, MAX_TOKENS};
 use crate::pool::Hit;
-use crate::prefix::{block_hash_of, BlockHash, Chain, PrefixCache};
+use crate::prefix::{block_hash_of, BlockHash, PrefixCache};
 use crate::sequence::Sequence;
 use crate::stats::Counters;
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
-
-/// The outcome of a prefix lookup: every full block's hash and the verified hits.
-struct Lookup {
-    root: Chain,
-    hashes: Vec<Chain>,
-    hits: Vec<(BlockId, BlockState)>,
-    cached_hits: usize,
-}
 
 impl BlockManager {
     /// Admits sequence `seq` with its prompt, reusing cached full blocks of the same prefix
@@ -58,19 +49,32 @@ impl BlockManager {
             return Err(invalid("allocate needs at least one token"));
         }
         check_room(0, tokens.len())?;
-        let mut one = self.seqs.lock_one(seq);
-        if one.get().is_some() {
-            return Err(Error::DuplicateSequence(seq));
-        }
         let bs = self.bs;
         let pages = bs.pages(tokens.len());
-        let (found, table) = loop {
-            let found = self.lookup(tokens, salt);
-            let needed = pages - found.hits.len() + found.cached_hits;
+        let hittable = bs.index(tokens.len() - 1);
+        // The prompt is hashed before any lock is taken, so a long prompt never stalls the
+        // sequences that share its shard, and a retry after a lost race hashes nothing again.
+        let mut prompt = self
+            .prefix
+            .as_ref()
+            .map(|p| (p, p.hash_prompt(tokens, salt)));
+        let (mut one, table) = loop {
+            if let Some((prefix, prompt)) = &mut prompt {
+                prompt.find_hits(prefix, &self.gpu, tokens, hittable);
+            }
+            let mut one = self.seqs.lock_one(seq);
+            if one.get().is_some() {
+                return Err(Error::DuplicateSequence(seq));
+            }
+            let (hits, cached_hits) = match &prompt {
+                Some((_, p)) => (&p.hits[..], p.cached_hits),
+                None => (&[][..], 0),
+            };
+            let needed = pages - hits.len() + cached_hits;
             self.reserve_gpu(needed)?;
             let mut table = Vec::with_capacity(pages);
             let mut used = 0;
-            for &(block, seen) in &found.hits {
+            for &(block, seen) in hits {
                 match self.gpu.acquire_hit(block, seen, bs.get() as u32) {
                     Some(Hit::Shared) => {}
                     Some(Hit::Revived) => used += 1,
@@ -78,7 +82,7 @@ impl BlockManager {
                 }
                 table.push(block);
             }
-            if table.len() < found.hits.len() {
+            if table.len() < hits.len() {
                 // Another thread changed a matched block between lookup and acquire: undo, retry.
                 self.release_gpu_blocks(&table, table.len() * bs.get());
                 self.gpu.unreserve(needed - used);
@@ -89,21 +93,25 @@ impl BlockManager {
                 used += 1;
             }
             self.gpu.unreserve(needed - used);
-            break (found, table);
+            break (one, table);
         };
-        let hit_blocks = found.hits.len();
+        let hit_blocks = prompt.as_ref().map_or(0, |(_, p)| p.hits.len());
         let reused = hit_blocks * bs.get();
-        let hittable = bs.index(tokens.len() - 1);
         let loads = match loadable {
             Some(until) if self.prefix.is_some() => until.min(hittable).saturating_sub(hit_blocks),
             _ => 0,
         };
         let load_blocks = table[hit_blocks..hit_blocks + loads].to_vec();
+        let (keys, hashes, root) = match prompt {
+            Some((_, p)) => (p.keys, p.chains, p.root),
+            None => (Vec::new(), Vec::new(), [0; 32]),
+        };
         let mut sequence = Sequence::new(
             tokens.to_vec(),
             table,
-            found.hashes,
-            found.root,
+            keys,
+            hashes,
+            root,
             reused,
             hit_blocks,
         );
@@ -133,8 +141,8 @@ impl BlockManager {
         if tokens.is_empty() || tokens.len() > MAX_TOKENS {
             return false;
         }
-        let found = self.lookup(tokens, salt);
-        let needed = self.bs.pages(tokens.len()) - found.hits.len() + found.cached_hits;
+        let (hits, cached_hits) = self.count_hits(tokens, salt);
+        let needed = self.bs.pages(tokens.len()) - hits + cached_hits;
         self.gpu.available() >= needed + self.watermark_blocks
     }
 
@@ -144,7 +152,7 @@ impl BlockManager {
         if tokens.is_empty() || tokens.len() > MAX_TOKENS {
             return 0;
         }
-        self.lookup(tokens, salt).hits.len()
+        self.count_hits(tokens, salt).0
     }
 
     /// The chained hashes of the prompt's full blocks (the values events carry).
@@ -203,70 +211,116 @@ impl BlockManager {
             .clear(|| self.events.record(|| EventKind::AllBlocksCleared));
     }
 
-    /// Hashes the prompt's full blocks and walks the prefix cache to the first miss, never
-    /// covering the last token. Read-only.
-    fn lookup(&self, tokens: &[Token], salt: Option<&[u8]>) -> Lookup {
-        let Some(prefix) = &self.prefix else {
-            return Lookup {
-                root: [0; 32],
-                hashes: Vec::new(),
-                hits: Vec::new(),
-                cached_hits: 0,
-            };
-        };
-        let bs = self.bs;
-        let root = prefix.root(salt);
-        let full = bs.index(tokens.len());
-        let hittable = bs.index(tokens.len() - 1);
-        let mut hashes = Vec::with_capacity(full);
-        let mut hits = Vec::new();
-        let mut cached_hits = 0;
-        let mut parent = root;
-        let mut hitting = true;
-        for (i, block_tokens) in tokens.chunks_exact(bs.get()).enumerate() {
-            let chain = prefix.hash_block(&parent, block_tokens);
-            if hitting && i < hittable {
-                match self.find(
-                    prefix,
-                    block_hash_of(&chain),
-                    block_hash_of(&parent),
-                    block_tokens,
-                ) {
-                    Some((block, state)) => {
-                        cached_hits += usize::from(state.refcount() == 0);
-                        hits.push((block, state));
-                    }
-                    None => hitting = false,
-                }
+    /// The verified hits of a prompt's leading full blocks (never covering the last token) and
+    /// how many of them are CACHED. Read-only.
+    fn count_hits(&self, tokens: &[Token], salt: Option<&[u8]>) -> (usize, usize) {
+        match &self.prefix {
+            Some(prefix) => {
+                let hittable = self.bs.index(tokens.len() - 1);
+                prefix.count_hits(&self.gpu, tokens, salt, hittable)
             }
-            hashes.push(chain);
-            parent = chain;
+            None => (0, 0),
         }
-        Lookup {
-            root,
-            hashes,
-            hits,
-            cached_hits,
-        }
-    }
-
-    /// The registered block with exactly this content, with the state it was verified in;
-    /// `acquire_hit` with that state is what guards the hit (see `PrefixCache::find`).
-    fn find(
-        &self,
-        prefix: &PrefixCache,
-        hash: BlockHash,
-        parent: BlockHash,
-        tokens: &[Token],
-    ) -> Option<(BlockId, BlockState)> {
-        prefix.find(&self.gpu, hash, parent, tokens)
     }
 }
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use crate::events::EventKind;
     use crate::manager::testing::*;
-    use crate::{Error, Plan, Token};
+    use crate::{BlockHash, Error, Plan, PoolKind, Token};
+
+    /// The published chain exactly as SEMANTICS.md defines it, computed with BLAKE3 directly.
+    fn blake3_hashes(
+        key: &[u8; 32],
+        salt: Option<&[u8]>,
+        tokens: &[Token],
+        bs: usize,
+    ) -> Vec<BlockHash> {
+        let mut root = blake3::Hasher::new_keyed(key);
+        root.update(b"pagedkv/root");
+        match salt {
+            None => root.update(&[0]),
+            Some(salt) => root
+                .update(&[1])
+                .update(&(salt.len() as u64).to_le_bytes())
+                .update(salt),
+        };
+        let mut chain = *root.finalize().as_bytes();
+        tokens
+            .chunks_exact(bs)
+            .map(|block| {
+                let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+                chain = *blake3::keyed_hash(&chain, &bytes).as_bytes();
+                u128::from_le_bytes(chain[..16].try_into().unwrap())
+            })
+            .collect()
+    }
+
+    /// `(hash, parent)` of each `BlockStored` event.
+    fn stored(mgr: &crate::BlockManager) -> Vec<(BlockHash, Option<BlockHash>)> {
+        mgr.take_events()
+            .into_iter()
+            .filter_map(|e| match e.kind {
+                EventKind::BlockStored {
+                    block_hash,
+                    parent_hash,
+                    ..
+                } => Some((block_hash, parent_hash)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whatever keys the prefix map, every hash that leaves the process is the BLAKE3 chain:
+    /// `block_hashes`, the fingerprint, events and `stored_hashes`, including the blocks a
+    /// sequence registers after a hit (whose chain continues from the hit's stored value).
+    #[test]
+    fn published_hashes_are_the_blake3_chain() {
+        let key = [7u8; 32];
+        let mgr = manager(32, 4, |c| {
+            c.hash_key = Some(key);
+            c.enable_events = true;
+        });
+        let prompt: Vec<Token> = (100..117).collect(); // 4 full blocks and one token
+        let expected = blake3_hashes(&key, None, &prompt, 4);
+        assert_eq!(mgr.block_hashes(&prompt, None).unwrap(), expected);
+        let salted = blake3_hashes(&key, Some(b"tenant"), &prompt, 4);
+        assert_eq!(mgr.block_hashes(&prompt, Some(b"tenant")).unwrap(), salted);
+        assert_ne!(salted, expected);
+        let fingerprint = blake3::keyed_hash(&key, b"pagedkv/fingerprint");
+        assert_eq!(
+            mgr.hash_key_fingerprint(),
+            Some(u64::from_le_bytes(
+                fingerprint.as_bytes()[..8].try_into().unwrap()
+            ))
+        );
+
+        mgr.allocate(1, &prompt[..9], None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.commit(&[1], None).unwrap();
+        assert_eq!(
+            stored(&mgr),
+            vec![(expected[0], None), (expected[1], Some(expected[0]))]
+        );
+        // A hit on both blocks, then two more blocks computed after them.
+        assert_eq!(mgr.allocate(2, &prompt, None).unwrap(), 8);
+        prefill(&mgr, &[2]);
+        mgr.commit(&[2], None).unwrap();
+        assert_eq!(
+            stored(&mgr),
+            vec![
+                (expected[2], Some(expected[1])),
+                (expected[3], Some(expected[2]))
+            ]
+        );
+        let mut gpu = mgr.stored_hashes(PoolKind::Gpu);
+        gpu.sort_unstable();
+        let mut all = expected.clone();
+        all.sort_unstable();
+        assert_eq!(gpu, all);
+        mgr.check().unwrap();
+    }
 
     #[test]
     fn external_loads_become_computed_when_confirmed() {

@@ -39,7 +39,9 @@ impl BlockManager {
                 )));
             }
             if self.prefix.is_some()
-                && !(s.registered <= s.hashes.len() && s.hashes.len() <= bs.index(len))
+                && !(s.registered <= s.hashes.len()
+                    && s.hashes.len() <= bs.index(len)
+                    && s.keys.len() == s.hashes.len())
             {
                 return Err(err(format!("{} hashes for {len} tokens", s.hashes.len())));
             }
@@ -200,9 +202,9 @@ impl BlockManager {
         let hashed = gpu.states.iter().filter(|s| s.hashed()).count();
         if let (Some(prefix), Some(shards)) = (&self.prefix, &shards) {
             let mut mapped = 0;
-            for (&hash, &block) in shards.iter().flat_map(|s| s.iter()) {
+            for (&key, &block) in shards.iter().flat_map(|s| s.iter()) {
                 mapped += 1;
-                if !gpu.states[block as usize].hashed() || prefix.hash_of(block) != hash {
+                if !gpu.states[block as usize].hashed() || prefix.key_of(block) != key {
                     return Err(violated(
                         block,
                         "mapped in the prefix cache but not registered there",

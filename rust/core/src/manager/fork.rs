@@ -39,6 +39,7 @@ impl BlockManager {
         let mut copy = Sequence::new(
             p.tokens.clone(),
             p.table.clone(),
+            p.keys.clone(),
             p.hashes.clone(),
             p.root,
             p.computed,

@@ -1,0 +1,353 @@
+//! The prefix lookup and what admission costs the decode loop:
+//! - the read-only lookup (`cached_prefix_blocks`) of a 1024-token prompt whose 63 hittable
+//!   blocks are cached (target <= 2 us), and of one that misses at its first block (<= 1 us);
+//! - the published block hashes of the same prompt (`block_hashes`, BLAKE3 per block);
+//! - a decode `step` at batch 256 alone, and while another thread admits and frees 8K-token
+//!   prompts (a sequence shard held during an admission stalls a step that needs it).
+//!
+//! Each lookup is also printed as a fraction of its memory-bound limit, measured in the same
+//! run: comparing the prompt's tokens with a stored copy of them, the least a verified hit has to
+//! read. `benches/compare.py` runs this bench against another revision and prints the ratios.
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, Criterion};
+use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
+
+const BLOCK_SIZE: u32 = 16;
+const PROMPT: usize = 1024;
+
+/// Every timed run criterion made: (benchmark, elapsed, iterations), for the summary at the end.
+static RUNS: Mutex<Vec<(&str, Duration, u64)>> = Mutex::new(Vec::new());
+
+fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
+    RUNS.lock().unwrap().push((name, elapsed, iters));
+    elapsed
+}
+
+/// Nanoseconds per iteration of `name` over all criterion's runs of it.
+fn mean_ns(name: &str) -> Option<f64> {
+    let runs = RUNS.lock().unwrap();
+    let (t, n) = runs
+        .iter()
+        .filter(|r| r.0 == name)
+        .fold((0.0, 0u64), |(t, n), r| (t + r.1.as_secs_f64(), n + r.2));
+    (n > 0).then(|| t * 1e9 / n as f64)
+}
+
+/// A deterministic token stream (SplitMix64), so prompts do not share prefixes by accident.
+struct Tokens(u64);
+
+impl Tokens {
+    fn next(&mut self) -> Token {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % 50_000) as Token
+    }
+
+    fn take(&mut self, n: usize) -> Vec<Token> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn manager(num_blocks: u32) -> BlockManager {
+    let mut cfg = Config::new(num_blocks, BLOCK_SIZE);
+    cfg.watermark = 0.0;
+    BlockManager::new(cfg).unwrap()
+}
+
+/// A manager whose prefix cache holds `prompt`'s full blocks (admitted, prefilled, committed,
+/// freed: they stay CACHED).
+fn cached(prompt: &[Token]) -> BlockManager {
+    let mgr = manager(1024);
+    let mut plan = Plan::new();
+    mgr.allocate(1, prompt, None).unwrap();
+    mgr.plan(&[1], &[prompt.len() as u32], &mut plan).unwrap();
+    mgr.commit(&[1], None).unwrap();
+    mgr.free(1).unwrap();
+    mgr
+}
+
+fn bench_lookup(c: &mut Criterion) {
+    let prompt = Tokens(3).take(PROMPT);
+    let mgr = cached(&prompt);
+    let hittable = PROMPT / BLOCK_SIZE as usize - 1;
+    assert_eq!(mgr.cached_prefix_blocks(&prompt, None), hittable);
+    let mut miss = prompt.clone();
+    miss[0] = 100_000;
+    assert_eq!(mgr.cached_prefix_blocks(&miss, None), 0);
+    let stored = prompt.clone();
+
+    let mut g = c.benchmark_group("lookup_1024_tokens");
+    g.bench_function("hit", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                black_box(mgr.cached_prefix_blocks(black_box(&prompt), None));
+            }
+            record("hit", start.elapsed(), iters)
+        })
+    });
+    g.bench_function("miss_first_block", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                black_box(mgr.cached_prefix_blocks(black_box(&miss), None));
+            }
+            record("miss", start.elapsed(), iters)
+        })
+    });
+    g.bench_function("block_hashes", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                black_box(mgr.block_hashes(black_box(&prompt), None).unwrap());
+            }
+            record("block_hashes", start.elapsed(), iters)
+        })
+    });
+    // The memory-bound limits: a hit must read the prompt and the stored tokens it is verified
+    // against; a first-block miss, one block of each.
+    g.bench_function("limit_compare_1024", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                black_box(black_box(&prompt[..]) == black_box(&stored[..]));
+            }
+            record("limit_hit", start.elapsed(), iters)
+        })
+    });
+    let block = BLOCK_SIZE as usize;
+    g.bench_function("limit_compare_16", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                black_box(black_box(&prompt[..block]) == black_box(&stored[..block]));
+            }
+            record("limit_miss", start.elapsed(), iters)
+        })
+    });
+    g.finish();
+}
+
+/// A batch of 256 sequences with ~500-token prompts, prefilled, stepping one token each; after
+/// `MAX_STEPS` the batch is re-admitted outside the timed part.
+struct Decode {
+    mgr: Arc<BlockManager>,
+    tokens: Tokens,
+    seqs: Vec<SeqId>,
+    next_id: SeqId,
+    steps: usize,
+    plan: Plan,
+}
+
+const BATCH: usize = 256;
+const MAX_STEPS: usize = 256;
+
+impl Decode {
+    fn new(mgr: Arc<BlockManager>) -> Decode {
+        let mut decode = Decode {
+            mgr,
+            tokens: Tokens(2),
+            seqs: Vec::new(),
+            next_id: 0,
+            steps: 0,
+            plan: Plan::new(),
+        };
+        decode.admit();
+        decode
+    }
+
+    fn admit(&mut self) {
+        for &s in &self.seqs {
+            self.mgr.free(s).unwrap();
+        }
+        let mut lens = Vec::with_capacity(BATCH);
+        self.seqs = (0..BATCH)
+            .map(|i| {
+                self.next_id += 1;
+                let prompt = self.tokens.take(500 - 8 + i % 16);
+                self.mgr.allocate(self.next_id, &prompt, None).unwrap();
+                lens.push(prompt.len() as u32);
+                self.next_id
+            })
+            .collect();
+        self.mgr.plan(&self.seqs, &lens, &mut self.plan).unwrap();
+        self.steps = 0;
+    }
+
+    /// Runs `iters` steps; returns the time spent in `step` alone.
+    fn run(&mut self, iters: u64) -> Duration {
+        let mut elapsed = Duration::ZERO;
+        let mut left = iters as usize;
+        while left > 0 {
+            let chunk = left.min(MAX_STEPS - self.steps);
+            let batch = self.tokens.take(BATCH);
+            let start = Instant::now();
+            for _ in 0..chunk {
+                self.mgr.step(&self.seqs, &batch, &mut self.plan).unwrap();
+            }
+            elapsed += start.elapsed();
+            black_box(&self.plan);
+            left -= chunk;
+            self.steps += chunk;
+            if self.steps == MAX_STEPS {
+                self.admit();
+            }
+        }
+        elapsed
+    }
+}
+
+/// Admits and frees 8K-token prompts (each new, so every block is hashed and misses) on another
+/// thread until told to stop; counts the admissions.
+fn admit_long_prompts(mgr: Arc<BlockManager>, stop: Arc<AtomicBool>, count: Arc<AtomicU64>) {
+    const LONG: usize = 8192;
+    let mut tokens = Tokens(9);
+    let mut prompt = tokens.take(LONG);
+    // Ids far from the decode batch's, spread over every sequence shard.
+    let mut id: SeqId = 1 << 40;
+    while !stop.load(Ordering::Relaxed) {
+        prompt[0] = prompt[0].wrapping_add(1);
+        id += 1;
+        mgr.allocate(id, &prompt, None).unwrap();
+        mgr.free(id).unwrap();
+        count.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn bench_step_under_admission(c: &mut Criterion) {
+    let blocks_per_seq = (500 + MAX_STEPS).div_ceil(BLOCK_SIZE as usize) as u32 + 1;
+    let long_blocks = 8192 / BLOCK_SIZE + 1;
+    let mgr = Arc::new(manager(BATCH as u32 * blocks_per_seq * 2 + 2 * long_blocks));
+    let mut decode = Decode::new(mgr.clone());
+
+    let mut g = c.benchmark_group("decode_batch256");
+    g.bench_function("step_alone", |b| {
+        b.iter_custom(|iters| record("step_alone", decode.run(iters), iters))
+    });
+    // The memory-bound limits of a step: writing the plan it returns (the CSR of every page
+    // plus the per-sequence arrays) from a copy of it, and writing the per-sequence arrays
+    // alone (all that changes in a step when block tables persist across steps).
+    let snapshot = decode.plan.clone();
+    let mut out = Plan::new();
+    let copy = |dst: &mut Vec<i32>, src: &[i32]| {
+        dst.clear();
+        dst.extend_from_slice(src);
+    };
+    g.bench_function("limit_write_plan", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let src = black_box(&snapshot);
+                copy(&mut out.kv_indices, &src.kv_indices);
+                copy(&mut out.kv_indptr, &src.kv_indptr);
+                copy(&mut out.kv_last_page_len, &src.kv_last_page_len);
+                copy(&mut out.qo_indptr, &src.qo_indptr);
+                copy(&mut out.slot_mapping, &src.slot_mapping);
+                copy(&mut out.positions, &src.positions);
+                black_box(&out);
+            }
+            record("limit_plan", start.elapsed(), iters)
+        })
+    });
+    g.bench_function("limit_write_per_sequence", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let src = black_box(&snapshot);
+                copy(&mut out.kv_last_page_len, &src.kv_last_page_len);
+                copy(&mut out.slot_mapping, &src.slot_mapping);
+                copy(&mut out.positions, &src.positions);
+                black_box(&out);
+            }
+            record("limit_batch", start.elapsed(), iters)
+        })
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let admitter = {
+        let (mgr, stop, count) = (mgr.clone(), stop.clone(), count.clone());
+        std::thread::spawn(move || admit_long_prompts(mgr, stop, count))
+    };
+    g.bench_function("step_while_admitting_8k_prompts", |b| {
+        b.iter_custom(|iters| record("step_admitting", decode.run(iters), iters))
+    });
+    stop.store(true, Ordering::Relaxed);
+    admitter.join().unwrap();
+    // (Unless a filter skipped the benchmark.)
+    assert!(
+        count.load(Ordering::Relaxed) > 0 || mean_ns("step_admitting").is_none(),
+        "no admission ran alongside the steps"
+    );
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    targets = bench_lookup, bench_step_under_admission
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    let show = |name: &str, what: &str| {
+        if let Some(ns) = mean_ns(name) {
+            println!("{what}: {:.3} us", ns / 1e3);
+        }
+    };
+    show("hit", "lookup 1024-token prompt, hit (target <= 2 us)");
+    show(
+        "miss",
+        "lookup 1024-token prompt, first-block miss (target <= 1 us)",
+    );
+    show("block_hashes", "block_hashes 1024-token prompt (BLAKE3)");
+    show("step_alone", "step + plan, batch 256");
+    show(
+        "step_admitting",
+        "step + plan, batch 256, while another thread admits 8K-token prompts",
+    );
+    for (name, limit, what) in [
+        ("hit", "limit_hit", "lookup hit"),
+        ("miss", "limit_miss", "lookup first-block miss"),
+    ] {
+        if let (Some(t), Some(l)) = (mean_ns(name), mean_ns(limit)) {
+            println!(
+                "{what} as a fraction of its memory-bound limit: {:.3}",
+                l / t
+            );
+        }
+    }
+    for (limit, what) in [
+        (
+            "limit_plan",
+            "writing the whole plan (CSR rebuilt each step)",
+        ),
+        (
+            "limit_batch",
+            "writing per-sequence arrays only (persistent tables)",
+        ),
+    ] {
+        if let (Some(t), Some(l)) = (mean_ns("step_alone"), mean_ns(limit)) {
+            println!(
+                "step + plan as a fraction of its memory-bound limit, {what}: {:.3} ({:.3} us)",
+                l / t,
+                l / 1e3
+            );
+        }
+    }
+    if let (Some(t), Some(alone)) = (mean_ns("step_admitting"), mean_ns("step_alone")) {
+        println!(
+            "step while admitting takes {:.2}x the time of the step alone",
+            t / alone
+        );
+    }
+}
