@@ -9,9 +9,12 @@ In the same run, against the same server, with the same bytes:
   redis-py MGETs of the same keys in chunks of the same size, back to back;
 - the decode loop of `examples/continuous_batching.py` (a tiny Llama) with the tier off and on:
   time per step.
+The server it starts gets the last CPU and this process the others (`--share-cpus` to not),
+as a server on its own machine would; raw and tier runs alike.
 Target: tier throughput >= 80% of raw. Ratios are printed; `--enforce` makes a miss fail.
 
     python benches/bench_tier.py --quick                      # CI smoke run, own redis-server
+    python benches/bench_tier.py                              # full run: own server, own CPU
     python benches/bench_tier.py --redis redis://host:6379/0  # a server of yours (FLUSHDB!)
 """
 
@@ -21,6 +24,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib.util
+import os
 import sys
 import time
 import zlib
@@ -237,15 +241,35 @@ def bench_decode(url: str, quick: bool, device: str) -> None:
     )
 
 
+def separate_cpus(server_pid: int) -> None:
+    """Pin the server to the last CPU and this process (threads started from now on too) to
+    the others, as if the server ran on its own machine: otherwise, on a small machine, the
+    client's work and the server's steal each other's cores. Raw and tier runs alike."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        print("one CPU: server and client share it")
+        return
+    os.sched_setaffinity(server_pid, {cpus[-1]})
+    os.sched_setaffinity(0, set(cpus[:-1]))
+    print(f"redis-server pinned to CPU {cpus[-1]}, this process to CPUs {cpus[:-1]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis", metavar="URL", help="server to use (its db is flushed)")
     parser.add_argument("--quick", action="store_true", help="small CI smoke run (seconds)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--enforce", action="store_true", help="fail when a ratio misses 0.8")
+    parser.add_argument(
+        "--share-cpus",
+        action="store_true",
+        help="let our redis-server and this process share every CPU (default: apart)",
+    )
     args = parser.parse_args()
     server = None if args.redis else start_redis_server()
     url = args.redis or server.url  # type: ignore[union-attr]
+    if server is not None and not args.share_cpus:
+        separate_cpus(server.process.pid)
     try:
         if args.quick:
             shape = Shape(layers=8, kv_heads=8, head_dim=128, block_size=16, blocks=64, batch=16)

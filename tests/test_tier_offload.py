@@ -20,7 +20,7 @@ import torch
 from pagedkv.kv_cache import KVCache
 from pagedkv.tier import KVTier, MemoryStore, Namespace, StoreError, StoreTimeout, TierStats
 from pagedkv.tier.codec import HEADER_SIZE
-from pagedkv.tier.offload import block_spec
+from pagedkv.tier.offload import _HostBuffers, block_spec
 
 BS = 4
 TOKENS = list(range(100, 121))  # 21 tokens: 5 full blocks, all hittable
@@ -249,6 +249,44 @@ def test_offer_dedups_and_skips_blocks_removed_in_the_same_batch() -> None:
     assert [k in store.data for k in keys] == [True, False, False, True, True]
 
 
+class PutRecordingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts: list[int] = []
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]], timeout: float) -> None:
+        self.puts.append(len(items))
+        super().put_many(items, timeout)
+
+
+def test_an_offer_is_put_in_batches_of_save_batch_blocks() -> None:
+    store = PutRecordingStore()
+    src = make_cache(seed=5)
+    mgr = StandInManager()
+    ids = [3, 9, 4, 11, 7]
+    with KVTier(store, "m", mgr, src, save_threads=1, save_batch_blocks=2) as tier:
+        tier.offer(stored_events(mgr, ids))
+        assert tier.flush(5)
+        assert tier.stats().saved_blocks == 5
+    assert store.puts == [2, 2, 1]
+    dst = make_cache()
+    with KVTier(store, "m", StandInManager(), dst) as tier:  # every batch holds its own blocks
+        assert tier.admit(0, TOKENS) == 5 * BS
+    assert torch.equal(blocks(dst, list(range(20, 25))), blocks(src, ids))
+
+
+def test_host_buffers_are_reused_best_fit_and_bounded() -> None:
+    buffers = _HostBuffers(row_bytes=16, pin=False, keep_rows=10)
+    eight, four, two = buffers.take(8), buffers.take(4), buffers.take(2)
+    assert [b.shape for b in (eight, four, two)] == [(8, 16), (4, 16), (2, 16)]
+    buffers.give(eight)
+    buffers.give(four)  # 8 + 4 rows would pass the bound of 10: not kept
+    buffers.give(two)
+    assert buffers.take(1) is two  # the smallest that fits
+    assert buffers.take(3) is eight
+    assert buffers.take(3).shape == (3, 16)  # none idle: a new one
+
+
 def test_full_queue_drops_and_counts_without_waiting() -> None:
     store = MemoryStore()
     store.latency = 0.3  # a slow network
@@ -437,5 +475,7 @@ def test_tier_rejects_bad_settings() -> None:
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), timeout=0)
     with pytest.raises(ValueError, match="max_pending_blocks"):
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), max_pending_blocks=0)
+    with pytest.raises(ValueError, match="save_batch_blocks"):
+        KVTier(MemoryStore(), "m", StandInManager(), make_cache(), save_batch_blocks=0)
     with pytest.raises(ValueError, match="load_chunk_blocks"):
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), load_chunk_blocks=0)

@@ -78,28 +78,29 @@ class _SaveBatch:
 
 class _HostBuffers:
     """Host buffers for save batches, reused: fresh host memory costs a page fault per page on
-    first touch (pinned memory on CUDA costs far more to allocate) on every save otherwise.
-    At most `keep` idle buffers are kept."""
+    first touch (pinned memory on CUDA costs far more to allocate). Idle buffers hold at most
+    `keep_rows` rows in all, so the memory kept is what the most saves in flight at once
+    needed, up to that bound."""
 
-    def __init__(self, row_bytes: int, pin: bool, keep: int) -> None:
+    def __init__(self, row_bytes: int, pin: bool, keep_rows: int) -> None:
         self._row_bytes = row_bytes
         self._pin = pin
-        self._keep = keep
+        self._keep_rows = keep_rows
         self._idle: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def take(self, rows: int) -> torch.Tensor:
-        """A uint8 buffer of at least `rows` rows."""
+        """A uint8 buffer of at least `rows` rows: the smallest idle one that fits, else new."""
         with self._lock:
-            for i, buffer in enumerate(self._idle):
-                if buffer.shape[0] >= rows:
-                    return self._idle.pop(i)
+            fits = [i for i, buffer in enumerate(self._idle) if buffer.shape[0] >= rows]
+            if fits:
+                return self._idle.pop(min(fits, key=lambda i: self._idle[i].shape[0]))
         return torch.empty((rows, self._row_bytes), dtype=torch.uint8, pin_memory=self._pin)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Returns a buffer nobody reads or writes any more."""
         with self._lock:
-            if len(self._idle) < self._keep:
+            if sum(b.shape[0] for b in self._idle) + buffer.shape[0] <= self._keep_rows:
                 self._idle.append(buffer)
 
 
@@ -115,9 +116,12 @@ class KVTier:
     `model_id` names the weights (blocks are shared only between engines with equal model id,
     KV shape, dtype and hash key). `timeout` bounds each admission lookup and load (seconds),
     `save_timeout` each background put; `save_threads` threads encode and put concurrently, so
-    one batch's checksum overlaps another's network transfer. Loads fetch `load_chunk_blocks`
-    blocks per call, the next chunk in flight while one is checked and copied. Call `close()`
-    (or use it as a context manager) to finish the saves in flight.
+    one batch's checksum overlaps another's network transfer. An offer is put in batches of at
+    most `save_batch_blocks`, so the first leaves while the rest are copied; the host buffers
+    they are copied into are reused (idle ones hold at most `max_pending_blocks` blocks).
+    Loads fetch `load_chunk_blocks` blocks per call, the next chunk in flight while one is
+    checked and copied. Call `close()` (or use it as a context manager) to finish the saves in
+    flight.
     """
 
     def __init__(
@@ -132,6 +136,7 @@ class KVTier:
         max_pending_blocks: int = 1024,
         dedup_capacity: int = 1 << 16,
         save_threads: int = 2,
+        save_batch_blocks: int = 8,
         load_chunk_blocks: int = 16,
     ) -> None:
         if manager.block_size != cache.block_size:
@@ -144,10 +149,11 @@ class KVTier:
         for name, value in (("timeout", timeout), ("save_timeout", save_timeout)):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if min(max_pending_blocks, dedup_capacity, save_threads, load_chunk_blocks) < 1:
+        counts = (max_pending_blocks, dedup_capacity, save_threads, save_batch_blocks)
+        if min(*counts, load_chunk_blocks) < 1:
             raise ValueError(
-                "max_pending_blocks, dedup_capacity, save_threads and load_chunk_blocks "
-                "must be >= 1"
+                "max_pending_blocks, dedup_capacity, save_threads, save_batch_blocks and "
+                "load_chunk_blocks must be >= 1"
             )
         self.store = store
         self.manager = manager
@@ -158,6 +164,7 @@ class KVTier:
         self.save_timeout = save_timeout
         self.max_pending_blocks = max_pending_blocks
         self.load_chunk_blocks = load_chunk_blocks
+        self.save_batch_blocks = save_batch_blocks
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-loader")
         self._dedup_capacity = dedup_capacity
         self._offered: OrderedDict[int, None] = OrderedDict()  # engine thread only
@@ -165,7 +172,9 @@ class KVTier:
         self._stats_lock = threading.Lock()
         self._queue: deque[_SaveBatch] = deque()
         self._buffers = _HostBuffers(
-            HEADER_SIZE + self.spec.payload_size, cache.device.type == "cuda", save_threads + 1
+            HEADER_SIZE + self.spec.payload_size,
+            cache.device.type == "cuda",
+            keep_rows=max_pending_blocks,
         )
         self._pending = 0  # blocks queued or being saved
         self._closing = False
@@ -224,12 +233,15 @@ class KVTier:
             return
         for _, h in taken:
             self._remember(h)
-        ids = np.fromiter((b for b, _ in taken), dtype=np.int64, count=len(taken))
-        batch = self._read(ids, [h for _, h in taken])
         self._count(offered_blocks=len(taken))
-        with self._cond:
-            self._queue.append(batch)
-            self._cond.notify_all()
+        # Puts of at most `save_batch_blocks`: the first leaves while the rest are copied.
+        for lo in range(0, len(taken), self.save_batch_blocks):
+            part = taken[lo : lo + self.save_batch_blocks]
+            ids = np.fromiter((b for b, _ in part), dtype=np.int64, count=len(part))
+            batch = self._read(ids, [h for _, h in part])
+            with self._cond:
+                self._queue.append(batch)
+                self._cond.notify()
 
     def _read(self, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
         """Enqueue the copy of `block_ids` into values with room for their headers."""
