@@ -11,49 +11,23 @@
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
+use timing::{mean_ns, record};
+use tokens::Tokens;
+
+#[path = "support/splitmix64.rs"]
+mod splitmix64;
+#[path = "support/timing.rs"]
+mod timing;
+#[path = "support/tokens.rs"]
+mod tokens;
 
 const BLOCK_SIZE: u32 = 16;
 const PROMPT: usize = 1024;
-
-/// Every timed run criterion made: (benchmark, elapsed, iterations), for the summary at the end.
-static RUNS: Mutex<Vec<(&str, Duration, u64)>> = Mutex::new(Vec::new());
-
-fn record(name: &'static str, elapsed: Duration, iters: u64) -> Duration {
-    RUNS.lock().unwrap().push((name, elapsed, iters));
-    elapsed
-}
-
-/// Nanoseconds per iteration of `name` over all criterion's runs of it.
-fn mean_ns(name: &str) -> Option<f64> {
-    let runs = RUNS.lock().unwrap();
-    let (t, n) = runs
-        .iter()
-        .filter(|r| r.0 == name)
-        .fold((0.0, 0u64), |(t, n), r| (t + r.1.as_secs_f64(), n + r.2));
-    (n > 0).then(|| t * 1e9 / n as f64)
-}
-
-/// A deterministic token stream (SplitMix64), so prompts do not share prefixes by accident.
-struct Tokens(u64);
-
-impl Tokens {
-    fn next(&mut self) -> Token {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) % 50_000) as Token
-    }
-
-    fn take(&mut self, n: usize) -> Vec<Token> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
 
 fn manager(num_blocks: u32) -> BlockManager {
     let mut cfg = Config::new(num_blocks, BLOCK_SIZE);
@@ -74,7 +48,7 @@ fn cached(prompt: &[Token]) -> BlockManager {
 }
 
 fn bench_lookup(c: &mut Criterion) {
-    let prompt = Tokens(3).take(PROMPT);
+    let prompt = Tokens::new(3).take(PROMPT);
     let mgr = cached(&prompt);
     let hittable = PROMPT / BLOCK_SIZE as usize - 1;
     assert_eq!(mgr.cached_prefix_blocks(&prompt, None), hittable);
@@ -153,7 +127,7 @@ impl Decode {
     fn new(mgr: Arc<BlockManager>) -> Decode {
         let mut decode = Decode {
             mgr,
-            tokens: Tokens(2),
+            tokens: Tokens::new(2),
             seqs: Vec::new(),
             next_id: 0,
             steps: 0,
@@ -208,7 +182,7 @@ impl Decode {
 /// thread until told to stop; counts the admissions.
 fn admit_long_prompts(mgr: Arc<BlockManager>, stop: Arc<AtomicBool>, count: Arc<AtomicU64>) {
     const LONG: usize = 8192;
-    let mut tokens = Tokens(9);
+    let mut tokens = Tokens::new(9);
     let mut prompt = tokens.take(LONG);
     // Ids far from the decode batch's, spread over every sequence shard.
     let mut id: SeqId = 1 << 40;

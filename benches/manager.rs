@@ -11,33 +11,18 @@
 mod splitmix64;
 #[path = "support/timing.rs"]
 mod timing;
+#[path = "support/tokens.rs"]
+mod tokens;
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
-use splitmix64::SplitMix64;
 use timing::{mean_ns, record};
+use tokens::Tokens;
 
 const BLOCK_SIZE: u32 = 16;
-
-/// A deterministic token stream, so prompts do not share prefixes by accident.
-struct Tokens(SplitMix64);
-
-impl Tokens {
-    fn new(seed: u64) -> Tokens {
-        Tokens(SplitMix64(seed))
-    }
-
-    fn next(&mut self) -> Token {
-        (self.0.next() % 50_000) as Token
-    }
-
-    fn take(&mut self, n: usize) -> Vec<Token> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
 
 fn manager(num_blocks: u32, prefix_caching: bool) -> BlockManager {
     let mut cfg = Config::new(num_blocks, BLOCK_SIZE);

@@ -241,7 +241,7 @@ class KVTier:
             batch = self._read(ids, [h for _, h in part])
             with self._cond:
                 self._queue.append(batch)
-                self._cond.notify()
+                self._cond.notify_all()
 
     def _read(self, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
         """Enqueue the copy of `block_ids` into values with room for their headers."""
