@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
-use timing::{mean_ns, record};
+use timing::{mean_ns, record, show_us};
 use tokens::Tokens;
 
 #[path = "support/splitmix64.rs"]
@@ -273,19 +273,14 @@ criterion_group! {
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
-    let show = |name: &str, what: &str| {
-        if let Some(ns) = mean_ns(name) {
-            println!("{what}: {:.3} us", ns / 1e3);
-        }
-    };
-    show("hit", "lookup 1024-token prompt, hit (target <= 2 us)");
-    show(
+    show_us("hit", "lookup 1024-token prompt, hit (target <= 2 us)");
+    show_us(
         "miss",
         "lookup 1024-token prompt, first-block miss (target <= 1 us)",
     );
-    show("block_hashes", "block_hashes 1024-token prompt (BLAKE3)");
-    show("step_alone", "step + plan, batch 256");
-    show(
+    show_us("block_hashes", "block_hashes 1024-token prompt (BLAKE3)");
+    show_us("step_alone", "step + plan, batch 256");
+    show_us(
         "step_admitting",
         "step + plan, batch 256, while another thread admits 8K-token prompts",
     );

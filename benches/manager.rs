@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
-use timing::{mean_ns, record};
+use timing::{mean_ns, record, show_us};
 use tokens::Tokens;
 
 const BLOCK_SIZE: u32 = 16;
@@ -221,23 +221,18 @@ criterion_group! {
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
-    let show = |name: &str, what: &str| {
-        if let Some(ns) = mean_ns(name) {
-            println!("{what}: {:.3} us", ns / 1e3);
-        }
-    };
-    show("append", "append, 1 token");
-    show("step", "step + plan, batch 256 (target <= 10 us)");
-    show("plan", "plan alone, batch 256");
-    show(
+    show_us("append", "append, 1 token");
+    show_us("step", "step + plan, batch 256 (target <= 10 us)");
+    show_us("plan", "plan alone, batch 256");
+    show_us(
         "hit",
         "1024-token prefix hit, allocate + prefill plan + commit + free (target <= 5 us)",
     );
-    show(
+    show_us(
         "miss",
         "1024-token prefix miss, allocate + prefill plan + commit + free",
     );
-    show(
+    show_us(
         "off",
         "1024-token prompt, prefix caching off, allocate + prefill plan + commit + free",
     );

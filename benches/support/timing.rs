@@ -24,3 +24,11 @@ pub fn mean_ns(name: &str) -> Option<f64> {
         .fold((0.0, 0u64), |(t, n), r| (t + r.1.as_secs_f64(), n + r.2));
     (n > 0).then(|| t * 1e9 / n as f64)
 }
+
+/// Prints `what: <mean> us` for `name`, if criterion ran it.
+#[allow(dead_code)] // each bench includes this file; the pool bench prints ratios only
+pub fn show_us(name: &str, what: &str) {
+    if let Some(ns) = mean_ns(name) {
+        println!("{what}: {:.3} us", ns / 1e3);
+    }
+}
