@@ -249,15 +249,19 @@ fn bench_step_under_admission(c: &mut Criterion) {
         let (mgr, stop, count) = (mgr.clone(), stop.clone(), count.clone());
         std::thread::spawn(move || admit_long_prompts(mgr, stop, count))
     };
+    // The steps are timed only once admissions are under way.
+    while count.load(Ordering::Relaxed) == 0 {
+        std::thread::yield_now();
+    }
+    let before = count.load(Ordering::Relaxed);
     g.bench_function("step_while_admitting_8k_prompts", |b| {
         b.iter_custom(|iters| record("step_admitting", decode.run(iters), iters))
     });
     stop.store(true, Ordering::Relaxed);
     admitter.join().unwrap();
-    // (Unless a filter skipped the benchmark.)
-    assert!(
-        count.load(Ordering::Relaxed) > 0 || mean_ns("step_admitting").is_none(),
-        "no admission ran alongside the steps"
+    println!(
+        "8K-token admissions while the steps ran: {}",
+        count.load(Ordering::Relaxed) - before
     );
     g.finish();
 }
