@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
-use timing::{mean_ns, record, show_us};
+use timing::{mean_ns, record, short_runs, show_us};
 use tokens::Tokens;
 
 #[path = "support/splitmix64.rs"]
@@ -268,9 +268,7 @@ fn bench_step_under_admission(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(3));
+    config = short_runs(3);
     targets = bench_lookup, bench_step_under_admission
 }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use pagedkv::pool_bench::Pool as BlockPool;
-use timing::{mean_ns, record};
+use timing::{mean_ns, record, short_runs};
 
 const NUM_BLOCKS: u32 = 4096;
 
@@ -131,9 +131,7 @@ fn bench_pool(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(2));
+    config = short_runs(2);
     targets = bench_pool
 }
 

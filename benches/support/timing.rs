@@ -5,6 +5,8 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use criterion::Criterion;
+
 /// Every timed run criterion made: (benchmark, elapsed, iterations).
 static RUNS: Mutex<Vec<(&str, Duration, u64)>> = Mutex::new(Vec::new());
 
@@ -31,4 +33,11 @@ pub fn show_us(name: &str, what: &str) {
     if let Some(ns) = mean_ns(name) {
         println!("{what}: {:.3} us", ns / 1e3);
     }
+}
+
+/// Criterion's settings for these benches: 1 s of warm-up, then `measurement_secs` of runs.
+pub fn short_runs(measurement_secs: u64) -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(measurement_secs))
 }

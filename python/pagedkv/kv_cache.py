@@ -283,11 +283,8 @@ class KVCache:
                     row_layers = _as_bytes(row).reshape(self.num_layers, -1)
                     for dst, src in zip(row_layers, cache_layers, strict=True):
                         np.copyto(dst, src[block])
-        event = None
-        if cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-        return HostBlocks(out, event)
+        done = Transfer(torch.cuda.current_stream(self.device).record_event() if cuda else None)
+        return HostBlocks(out, done)
 
     def write_blocks(self, block_ids: npt.NDArray[Any], host: torch.Tensor) -> None:
         """Fill blocks from `host`, shaped as `read_blocks` returns, enqueued on this device.
@@ -422,14 +419,13 @@ def _as_bytes(t: torch.Tensor) -> npt.NDArray[np.uint8]:
 class HostBlocks:
     """Blocks copied to host memory by `KVCache.read_blocks`, maybe still in flight."""
 
-    def __init__(self, data: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    def __init__(self, data: torch.Tensor, transfer: Transfer) -> None:
         self.data = data
-        self._event = event
+        self.transfer = transfer
 
     def ready(self) -> torch.Tensor:
         """`data`, once the copy has landed (waits for it and the work enqueued before it)."""
-        if self._event is not None:
-            self._event.synchronize()
+        self.transfer.wait()
         return self.data
 
 

@@ -26,6 +26,7 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
+# One program: one tile of rows of one sequence and one KV head (see the module docstring).
 @triton.jit
 def paged_attention_kernel(
     q_ptr,

@@ -357,11 +357,10 @@ class KVTier:
         """
         keys = self.namespace.keys(hashes)
         chunk = self.load_chunk_blocks
-        starts = range(0, len(keys), chunk)
         ahead: Future[list[bytes | None]] | None = None
         ok = 0
         try:
-            for lo in starts:
+            for lo in range(0, len(keys), chunk):
                 wanted = keys[lo : lo + chunk]
                 if ahead is None:
                     values = self._get(wanted)

@@ -2,7 +2,8 @@
 
 A store holds opaque values under byte keys and answers three batched calls, each bounded by a
 timeout. Failures raise `StoreError` (`StoreTimeout` when the timeout ran out); the tier counts
-them and treats the blocks as misses. Eviction is the store's business.
+them and treats the blocks as misses. Eviction is the store's business. Calls come from several
+threads at once (the tier's savers and its loader), so a store must be thread-safe.
 """
 
 from __future__ import annotations
