@@ -2,8 +2,9 @@
 //! - the read-only lookup (`cached_prefix_blocks`) of a 1024-token prompt whose 63 hittable
 //!   blocks are cached (target <= 2 us), and of one that misses at its first block (<= 1 us);
 //! - the published block hashes of the same prompt (`block_hashes`, BLAKE3 per block);
-//! - a decode `step` at batch 256 alone, and while another thread admits and frees 8K-token
-//!   prompts (a sequence shard held during an admission stalls a step that needs it).
+//! - a decode step at batch 256 (`step` and `step_batch`) alone, and while another thread
+//!   admits and frees 8K-token prompts (a sequence shard held during an admission stalls a step
+//!   that needs it).
 //!
 //! Each lookup is also printed as a fraction of its memory-bound limit, measured in the same
 //! run: comparing the prompt's tokens with a stored copy of them, the least a verified hit has to
@@ -12,13 +13,16 @@
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use criterion::{criterion_group, Criterion};
+use decoding::{Decoding, Stepping};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
 use timing::{mean_ns, record, short_runs, show_us};
 use tokens::Tokens;
 
+#[path = "support/decoding.rs"]
+mod decoding;
 #[path = "support/splitmix64.rs"]
 mod splitmix64;
 #[path = "support/timing.rs"]
@@ -109,75 +113,6 @@ fn bench_lookup(c: &mut Criterion) {
     g.finish();
 }
 
-/// A batch of 256 sequences with ~500-token prompts, prefilled, stepping one token each; after
-/// `MAX_STEPS` the batch is re-admitted outside the timed part.
-struct Decode {
-    mgr: Arc<BlockManager>,
-    tokens: Tokens,
-    seqs: Vec<SeqId>,
-    next_id: SeqId,
-    steps: usize,
-    plan: Plan,
-}
-
-const BATCH: usize = 256;
-const MAX_STEPS: usize = 256;
-
-impl Decode {
-    fn new(mgr: Arc<BlockManager>) -> Decode {
-        let mut decode = Decode {
-            mgr,
-            tokens: Tokens::new(2),
-            seqs: Vec::new(),
-            next_id: 0,
-            steps: 0,
-            plan: Plan::new(),
-        };
-        decode.admit();
-        decode
-    }
-
-    fn admit(&mut self) {
-        for &s in &self.seqs {
-            self.mgr.free(s).unwrap();
-        }
-        let mut lens = Vec::with_capacity(BATCH);
-        self.seqs = (0..BATCH)
-            .map(|i| {
-                self.next_id += 1;
-                let prompt = self.tokens.take(500 - 8 + i % 16);
-                self.mgr.allocate(self.next_id, &prompt, None).unwrap();
-                lens.push(prompt.len() as u32);
-                self.next_id
-            })
-            .collect();
-        self.mgr.plan(&self.seqs, &lens, &mut self.plan).unwrap();
-        self.steps = 0;
-    }
-
-    /// Runs `iters` steps; returns the time spent in `step` alone.
-    fn run(&mut self, iters: u64) -> Duration {
-        let mut elapsed = Duration::ZERO;
-        let mut left = iters as usize;
-        while left > 0 {
-            let chunk = left.min(MAX_STEPS - self.steps);
-            let batch = self.tokens.take(BATCH);
-            let start = Instant::now();
-            for _ in 0..chunk {
-                self.mgr.step(&self.seqs, &batch, &mut self.plan).unwrap();
-            }
-            elapsed += start.elapsed();
-            black_box(&self.plan);
-            left -= chunk;
-            self.steps += chunk;
-            if self.steps == MAX_STEPS {
-                self.admit();
-            }
-        }
-        elapsed
-    }
-}
-
 /// Admits and frees 8K-token prompts (each new, so every block is hashed and misses) on another
 /// thread until told to stop; counts the admissions.
 fn admit_long_prompts(mgr: Arc<BlockManager>, stop: Arc<AtomicBool>, count: Arc<AtomicU64>) {
@@ -196,53 +131,23 @@ fn admit_long_prompts(mgr: Arc<BlockManager>, stop: Arc<AtomicBool>, count: Arc<
 }
 
 fn bench_step_under_admission(c: &mut Criterion) {
-    let blocks_per_seq = (500 + MAX_STEPS).div_ceil(BLOCK_SIZE as usize) as u32 + 1;
     let long_blocks = 8192 / BLOCK_SIZE + 1;
-    let mgr = Arc::new(manager(BATCH as u32 * blocks_per_seq * 2 + 2 * long_blocks));
-    let mut decode = Decode::new(mgr.clone());
-
+    let mgr = Arc::new(manager(2 * Decoding::blocks() + 2 * long_blocks));
+    let mut decoding = Decoding::new(mgr.clone());
     let mut g = c.benchmark_group("decode_batch256");
-    g.bench_function("step_alone", |b| {
-        b.iter_custom(|iters| record("step_alone", decode.run(iters), iters))
-    });
-    // The memory-bound limits of a step: writing the plan it returns (the CSR of every page
-    // plus the per-sequence arrays) from a copy of it, and writing the per-sequence arrays
-    // alone (all that changes in a step when block tables persist across steps).
-    let snapshot = decode.plan.clone();
-    let mut out = Plan::new();
-    let copy = |dst: &mut Vec<i32>, src: &[i32]| {
-        dst.clear();
-        dst.extend_from_slice(src);
-    };
-    g.bench_function("limit_write_plan", |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            for _ in 0..iters {
-                let src = black_box(&snapshot);
-                copy(&mut out.kv_indices, &src.kv_indices);
-                copy(&mut out.kv_indptr, &src.kv_indptr);
-                copy(&mut out.kv_last_page_len, &src.kv_last_page_len);
-                copy(&mut out.qo_indptr, &src.qo_indptr);
-                copy(&mut out.slot_mapping, &src.slot_mapping);
-                copy(&mut out.positions, &src.positions);
-                black_box(&out);
-            }
-            record("limit_plan", start.elapsed(), iters)
-        })
-    });
-    g.bench_function("limit_write_per_sequence", |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            for _ in 0..iters {
-                let src = black_box(&snapshot);
-                copy(&mut out.kv_last_page_len, &src.kv_last_page_len);
-                copy(&mut out.slot_mapping, &src.slot_mapping);
-                copy(&mut out.positions, &src.positions);
-                black_box(&out);
-            }
-            record("limit_batch", start.elapsed(), iters)
-        })
-    });
+    let kinds = [
+        (Stepping::OneShot, "step", ["step_alone", "step_admitting"]),
+        (
+            Stepping::Persistent,
+            "step_batch",
+            ["batch_alone", "batch_admitting"],
+        ),
+    ];
+    for (how, what, [alone, _]) in kinds {
+        g.bench_function(format!("{what}_alone"), |b| {
+            b.iter_custom(|iters| record(alone, decoding.time(iters, how), iters))
+        });
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicU64::new(0));
     let admitter = {
@@ -254,9 +159,11 @@ fn bench_step_under_admission(c: &mut Criterion) {
         std::thread::yield_now();
     }
     let before = count.load(Ordering::Relaxed);
-    g.bench_function("step_while_admitting_8k_prompts", |b| {
-        b.iter_custom(|iters| record("step_admitting", decode.run(iters), iters))
-    });
+    for (how, what, [_, admitting]) in kinds {
+        g.bench_function(format!("{what}_while_admitting_8k_prompts"), |b| {
+            b.iter_custom(|iters| record(admitting, decoding.time(iters, how), iters))
+        });
+    }
     stop.store(true, Ordering::Relaxed);
     admitter.join().unwrap();
     println!(
@@ -286,6 +193,11 @@ fn main() {
         "step_admitting",
         "step + plan, batch 256, while another thread admits 8K-token prompts",
     );
+    show_us("batch_alone", "step_batch, batch 256");
+    show_us(
+        "batch_admitting",
+        "step_batch, batch 256, while another thread admits 8K-token prompts",
+    );
     for (name, limit, what) in [
         ("hit", "limit_hit", "lookup hit"),
         ("miss", "limit_miss", "lookup first-block miss"),
@@ -296,29 +208,5 @@ fn main() {
                 l / t
             );
         }
-    }
-    for (limit, what) in [
-        (
-            "limit_plan",
-            "writing the whole plan (CSR rebuilt each step)",
-        ),
-        (
-            "limit_batch",
-            "writing per-sequence arrays only (persistent tables)",
-        ),
-    ] {
-        if let (Some(t), Some(l)) = (mean_ns("step_alone"), mean_ns(limit)) {
-            println!(
-                "step + plan as a fraction of its memory-bound limit, {what}: {:.3} ({:.3} us)",
-                l / t,
-                l / 1e3
-            );
-        }
-    }
-    if let (Some(t), Some(alone)) = (mean_ns("step_admitting"), mean_ns("step_alone")) {
-        println!(
-            "step while admitting takes {:.2}x the time of the step alone",
-            t / alone
-        );
     }
 }

@@ -1,12 +1,17 @@
-//! `BlockManager` hot paths: per-token `append`, a decode `step` + plan at batch 256, and the
+//! `BlockManager` hot paths: per-token `append`, a decode step at batch 256 (one-shot plan and
+//! persistent batch), and the
 //! admission of a 1024-token prompt through its prefill (hit, miss, and caching off as the
 //! baseline).
-//! Targets: step + plan at batch 256 <= 10 us; 1024-token hit (allocate, prefill plan, commit,
+//! Targets: a decode step at batch 256 <= 5 us; 1024-token hit (allocate, prefill plan, commit,
 //! free) <= 5 us.
 //!
 //! Bookkeeping that keeps lengths bounded (freeing and re-admitting sequences) runs outside the
 //! timed part, through `iter_custom`.
 
+#[path = "support/decoding.rs"]
+mod decoding;
+#[path = "support/floor.rs"]
+mod floor;
 #[path = "support/splitmix64.rs"]
 mod splitmix64;
 #[path = "support/timing.rs"]
@@ -15,9 +20,12 @@ mod timing;
 mod tokens;
 
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
+use decoding::{Decoding, Stepping};
+use floor::Floor;
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
 use timing::{mean_ns, record, short_runs, show_us};
 use tokens::Tokens;
@@ -65,74 +73,47 @@ fn bench_append(c: &mut Criterion) {
     });
 }
 
-/// 256 running sequences of ~500-token prompts, prefilled; each iteration is one `step` (one
-/// token each) with its plan, into a reused `Plan`, which also commits the previous step (its
-/// filled blocks become shareable). After `MAX_STEPS` the batch is re-admitted.
+/// Each iteration is one decode step of 256 sequences (one token each) with its attention
+/// inputs, which also commits the previous step (its filled blocks become shareable): the
+/// one-shot `step` into a reused `Plan` (the whole CSR), and `step_batch` on a persistent
+/// `Batch` (only what changed), with prefix caching on and off. The plan alone splits the
+/// one-shot step's cost; the floor is the least memory traffic of a step (see `Floor`).
 fn bench_step(c: &mut Criterion) {
-    const BATCH: usize = 256;
-    const PROMPT: usize = 500;
-    const MAX_STEPS: usize = 256;
-    let blocks_per_seq = (PROMPT + MAX_STEPS).div_ceil(BLOCK_SIZE as usize) as u32 + 1;
-    let mgr = manager(BATCH as u32 * blocks_per_seq * 2, true);
-    let mut tokens = Tokens::new(2);
-    let mut next_id: SeqId = 0;
-    let mut plan = Plan::new();
-    let mut admit = |mgr: &BlockManager, tokens: &mut Tokens, plan: &mut Plan| -> Vec<SeqId> {
-        let mut prompt_lens = Vec::with_capacity(BATCH);
-        let seqs = (0..BATCH)
-            .map(|i| {
-                next_id += 1;
-                // Prompt lengths vary a little so last pages fill at different steps.
-                let prompt = tokens.take(PROMPT - 8 + i % 16);
-                mgr.allocate(next_id, &prompt, None).unwrap();
-                prompt_lens.push(prompt.len() as u32);
-                next_id
-            })
-            .collect::<Vec<_>>();
-        // The prefill, so that decode steps may follow.
-        mgr.plan(&seqs, &prompt_lens, plan).unwrap();
-        seqs
-    };
-    let mut seqs = admit(&mgr, &mut tokens, &mut plan);
-    let mut steps = 0;
-
+    let blocks = 2 * Decoding::blocks();
+    let mut decoding = Decoding::new(Arc::new(manager(blocks, true)));
     let mut g = c.benchmark_group("decode");
     g.bench_function("step_plan/batch256", |b| {
+        b.iter_custom(|iters| record("step", decoding.time(iters, Stepping::OneShot), iters))
+    });
+    g.bench_function("step_batch/batch256", |b| {
         b.iter_custom(|iters| {
-            let mut elapsed = Duration::ZERO;
-            let mut left = iters as usize;
-            while left > 0 {
-                let chunk = left.min(MAX_STEPS - steps);
-                let batch = tokens.take(BATCH);
-                let start = Instant::now();
-                for _ in 0..chunk {
-                    mgr.step(&seqs, &batch, &mut plan).unwrap();
-                }
-                elapsed += start.elapsed();
-                black_box(&plan);
-                left -= chunk;
-                steps += chunk;
-                if steps == MAX_STEPS {
-                    for &s in &seqs {
-                        mgr.free(s).unwrap();
-                    }
-                    seqs = admit(&mgr, &mut tokens, &mut plan);
-                    steps = 0;
-                }
-            }
-            record("step", elapsed, iters)
+            let elapsed = decoding.time(iters, Stepping::Persistent);
+            record("step_batch", elapsed, iters)
         })
     });
-    // The plan alone, for the same batch (no appends), to split the step's cost.
-    let query_lens = vec![1u32; BATCH];
+    // Without prefix caching no filled block is registered, hashed or evicted: what is left is
+    // the per-sequence work.
+    let mut uncached = Decoding::new(Arc::new(manager(blocks, false)));
+    g.bench_function("step_batch/batch256_caching_off", |b| {
+        b.iter_custom(|iters| {
+            let elapsed = uncached.time(iters, Stepping::Persistent);
+            record("step_batch_off", elapsed, iters)
+        })
+    });
+    let query_lens = vec![1u32; decoding::BATCH];
     g.bench_function("plan/batch256", |b| {
         b.iter_custom(|iters| {
+            let d = &mut decoding;
             let start = Instant::now();
             for _ in 0..iters {
-                mgr.plan(&seqs, &query_lens, &mut plan).unwrap();
+                d.mgr.plan(&d.seqs, &query_lens, &mut d.plan).unwrap();
             }
             record("plan", start.elapsed(), iters)
         })
+    });
+    let mut floor = Floor::new(&decoding);
+    g.bench_function("floor/batch256", |b| {
+        b.iter_custom(|iters| record("floor", floor.time(iters), iters))
     });
     g.finish();
 }
@@ -220,7 +201,39 @@ fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
     show_us("append", "append, 1 token");
-    show_us("step", "step + plan, batch 256 (target <= 10 us)");
+    show_us("step", "step + plan, batch 256 (one-shot plan)");
+    show_us(
+        "step_batch",
+        "step_batch, batch 256 (persistent batch; target <= 5 us)",
+    );
+    show_us(
+        "step_batch_off",
+        "step_batch, batch 256, prefix caching off (no registration or eviction)",
+    );
+    show_us(
+        "floor",
+        "floor of a decode step, batch 256 (least memory traffic)",
+    );
+    if let (Some(t), Some(before)) = (mean_ns("step_batch"), mean_ns("step")) {
+        println!(
+            "step_batch takes {:.2}x the time of step + plan",
+            t / before
+        );
+    }
+    if let Some(floor) = mean_ns("floor") {
+        for (name, what) in [
+            ("step", "step + plan"),
+            ("step_batch", "step_batch"),
+            ("step_batch_off", "step_batch, caching off"),
+        ] {
+            if let Some(t) = mean_ns(name) {
+                println!(
+                    "{what} as a fraction of its memory-bound floor: {:.3}",
+                    floor / t
+                );
+            }
+        }
+    }
     show_us("plan", "plan alone, batch 256");
     show_us(
         "hit",

@@ -31,3 +31,18 @@ def test_the_baseline_decides_like_pagedkv(seed: int) -> None:
     assert real.stats().evictions > 0
     for field in ("query_tokens", "hit_tokens", "steps", "decode_tokens", "preemptions", "digest"):
         assert getattr(fast, field) == getattr(python, field), field
+
+
+def test_a_persistent_batch_decides_like_step() -> None:
+    # The same trace through step_batch (rows added and removed as requests come and go): the
+    # same admissions, hits, steps and preemptions, and every step the same positions and pages.
+    trace = make_trace(60, 0)
+    runs = []
+    for persistent in (False, True):
+        mgr = BlockManager(400, 16, hash_key=bytes(32))
+        runs.append(serve(mgr, trace, max_running=16, persistent=persistent))
+        mgr.check()
+    step, batch = runs
+    assert batch.preemptions > 0 and batch.hit_tokens > 0, batch
+    for field in ("query_tokens", "hit_tokens", "steps", "decode_tokens", "preemptions", "shape"):
+        assert getattr(batch, field) == getattr(step, field), field

@@ -10,7 +10,8 @@ leave both managers exactly as they were (errors; one refused for lack of blocks
 auto-commit it ran first, as SEMANTICS.md says). Plans and their
 numpy views are kept alive at random, sometimes only a view without its plan: a live view must
 never change however many later plans reuse the recycled buffers, and writing into one view
-must not reach any other plan (numpy views, lifetimes).
+must not reach any other plan (numpy views, lifetimes). A persistent `Batch` kept across rules
+must give the one-shot `step`'s inputs for its rows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedkv import BlockManager, OutOfBlocks
+from pagedkv import Batch, BlockManager, OutOfBlocks
 
 KEY = bytes(range(32))
 MAX_ID = 8
@@ -137,6 +138,7 @@ class BindingMachine(RuleBasedStateMachine):
         }
         self.canon = BlockManager(num_blocks, block_size, **kwargs)
         self.varied = BlockManager(np.int64(num_blocks), Index(block_size), **kwargs)
+        self.rows = Batch()  # the varied manager's persistent batch (see `step_batch`)
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -303,6 +305,34 @@ class BindingMachine(RuleBasedStateMachine):
         ids, toks = self.ids(data, batch), self.ids(data, tokens)
         _, plan = self.both("step", lambda m: m.step(batch, tokens), lambda m: m.step(ids, toks))
         self.keep(data, plan)
+
+    @precondition(lambda self: bool(self.live - self.swapped))
+    @rule(data=st.data())
+    def step_batch(self, data: st.DataObject) -> None:
+        """The varied manager decodes through its persistent batch, kept across rules (rows of
+        freed or swapped sequences stay until a drawn batch drops them); the canonical one
+        takes the one-shot `step` of the same rows in row order: the same result."""
+        drawn = self.batch(data, self.live - self.swapped)
+        for seq_id in self.rows.seq_ids.tolist():
+            if seq_id not in drawn:
+                self.rows.remove(seq_id)
+        for seq_id in drawn:
+            if seq_id not in self.rows:
+                self.rows.add(seq_id)
+        order = self.rows.seq_ids.tolist()
+        if data.draw(st.integers(0, 4)):
+            self.prefill(data, order)
+        tokens = data.draw(st.lists(token, min_size=len(order), max_size=len(order)))
+        fields = (*(f for f in PLAN_ARRAYS if f != "block_tables"), "block_size")
+
+        def inputs(source: Any) -> dict[str, Any]:
+            return {name: plain(getattr(source, name)) for name in fields}
+
+        def stepped(m: BlockManager) -> dict[str, Any]:
+            m.step_batch(self.rows, self.ids(data, tokens))
+            return inputs(self.rows)
+
+        self.both("step_batch", lambda m: inputs(m.step(order, tokens)), stepped)
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())

@@ -8,13 +8,22 @@ turn its plans into attention.
 
 from typing import TYPE_CHECKING, Any
 
-from pagedkv._core import BlockManager, Event, OutOfBlocks, Plan, Stats
+from pagedkv._core import Batch, BlockManager, Event, OutOfBlocks, Plan, Stats
 
 if TYPE_CHECKING:
     from pagedkv.attention import PagedAttention
     from pagedkv.kv_cache import KVCache
 
-__all__ = ["BlockManager", "Event", "KVCache", "OutOfBlocks", "PagedAttention", "Plan", "Stats"]
+__all__ = [
+    "Batch",
+    "BlockManager",
+    "Event",
+    "KVCache",
+    "OutOfBlocks",
+    "PagedAttention",
+    "Plan",
+    "Stats",
+]
 __version__ = "0.1.0"
 
 

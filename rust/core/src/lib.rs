@@ -4,11 +4,13 @@
 //! block table mapping its logical positions to physical blocks. Full blocks are shared between
 //! sequences with the same prefix (chained keyed hashes), forks share blocks copy-on-write,
 //! unreferenced cached blocks are evicted least recently released first, and sequences can be
-//! swapped to a CPU pool. Each step's attention inputs come out as one [`Plan`]. Only KV the
-//! engine has committed as computed is ever shared (see `SEMANTICS.md`, "KV lifecycle").
+//! swapped to a CPU pool. Each step's attention inputs come out as one [`Plan`], or, for decode
+//! steps of a persistent [`Batch`], as per-row arrays plus the block-table entries that changed.
+//! Only KV the engine has committed as computed is ever shared (see `SEMANTICS.md`, "KV
+//! lifecycle").
 //!
 //! ```
-//! use pagedkv::{BlockManager, Config, Plan};
+//! use pagedkv::{Batch, BlockManager, Config, Plan};
 //!
 //! let mgr = BlockManager::new(Config::new(64, 16)).unwrap();
 //! let system: Vec<u32> = (0..40).collect();
@@ -23,6 +25,14 @@
 //! mgr.step(&[1, 2], &[8, 7], &mut plan).unwrap(); // one decode token each
 //! assert_eq!(plan.kv_indptr, vec![0, 3, 6]);
 //! assert_eq!(plan.kv_last_page_len, vec![10, 9]);
+//!
+//! // The same decode through a persistent batch: only what changed is written.
+//! let mut batch = Batch::new();
+//! batch.add(1).unwrap();
+//! batch.add(2).unwrap();
+//! mgr.step_batch(&mut batch, &[9, 8]).unwrap();
+//! assert_eq!(batch.inputs().kv_indptr, vec![0, 3, 6]);
+//! assert_eq!(batch.inputs().positions, vec![42, 41]);
 //! mgr.free(1).unwrap();
 //! mgr.free(2).unwrap();
 //! mgr.check().unwrap();
@@ -33,6 +43,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod batch;
 mod block;
 mod bookkeeping;
 mod config;
@@ -49,6 +60,7 @@ mod sequence;
 mod stats;
 mod sync;
 
+pub use batch::{Batch, TableUpdates};
 pub use config::Config;
 pub use error::{Error, PoolKind};
 pub use events::{Event, EventKind};

@@ -304,7 +304,21 @@ fn visit(
     stamp: u64,
     swapped: bool,
 ) -> Result<Member, Error> {
-    let member = batch.find(id).ok_or(Error::UnknownSequence(id))?;
+    visit_hinted(batch, id, None, stamp, swapped)
+}
+
+/// [`visit`], looking where `hint` says first.
+#[inline]
+fn visit_hinted(
+    batch: &mut LockedBatch<'_>,
+    id: SeqId,
+    hint: Option<Member>,
+    stamp: u64,
+    swapped: bool,
+) -> Result<Member, Error> {
+    let member = batch
+        .find_hinted(id, hint)
+        .ok_or(Error::UnknownSequence(id))?;
     let s = batch.at(member);
     if s.stamp == stamp {
         return Err(invalid(format!("sequence {id} appears twice in the batch")));

@@ -17,6 +17,7 @@
 //! A prompt is hashed before its admission takes any lock ([`PromptHashes`]), and a retry after
 //! a lost race reuses its map keys.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -414,9 +415,9 @@ impl PrefixCache {
         publish: impl FnOnce(),
     ) {
         let mut shard = lock(self.shard(key));
-        if shard.contains_key(&key) {
+        let Entry::Vacant(slot) = shard.entry(key) else {
             return;
-        }
+        };
         let [key_lo, key_hi] = split(key);
         let [parent_lo, parent_hi] = split(parent);
         for (slot, value) in self
@@ -440,7 +441,7 @@ impl PrefixCache {
             slot.store(t, Ordering::Relaxed);
         }
         publish();
-        shard.insert(key, block);
+        slot.insert(block);
         self.hint(key).store(block, Ordering::Relaxed);
     }
 
@@ -449,11 +450,13 @@ impl PrefixCache {
     pub(crate) fn unregister(&self, block: BlockId, removed: impl FnOnce()) {
         let key = self.key_of(block);
         let mut shard = lock(self.shard(key));
-        if shard.get(&key) == Some(&block) {
-            // The hint may keep pointing at the block: it no longer verifies (unhashed, or
-            // registered under another key), and leaving it saves the eviction a cache miss.
-            shard.remove(&key);
-            removed();
+        if let Entry::Occupied(mapped) = shard.entry(key) {
+            if *mapped.get() == block {
+                // The hint may keep pointing at the block: it no longer verifies (unhashed, or
+                // registered under another key), and leaving it saves the eviction a cache miss.
+                mapped.remove();
+                removed();
+            }
         }
     }
 

@@ -36,6 +36,10 @@ pub(crate) struct Sequence {
     pub(crate) registered: usize,
     /// The last batch that visited this sequence; detects repeats within one batch.
     pub(crate) stamp: u64,
+    /// The version of `table`: unique to this sequence, and renewed whenever an entry of the
+    /// table is replaced (pushing a block keeps it), so a persistent batch row knows when only
+    /// new blocks need copying.
+    pub(crate) epoch: u64,
     pub(crate) swapped: bool,
     /// The partial last block may be shared (after a fork or a swap), so an append must check
     /// its refcount and copy on write. False means it is held by this sequence alone.
@@ -98,7 +102,13 @@ impl Sequence {
             copying: Vec::new(),
             swap_source: None,
             loading: None,
+            epoch: next_epoch(),
         }
+    }
+
+    /// Marks the table as changed in place (an entry replaced).
+    pub(crate) fn table_changed(&mut self) {
+        self.epoch = next_epoch();
     }
 
     /// The prefix-map key before full block `i` (hashed up to `i - 1`).
@@ -114,6 +124,13 @@ impl Sequence {
     pub(crate) fn swap_in_pending(&self) -> bool {
         !self.swapped && self.swap_source.is_some()
     }
+}
+
+/// A table version no sequence has had (never 0). Process-wide, so a sequence re-admitted
+/// under the id of a freed one never repeats its versions.
+fn next_epoch() -> u64 {
+    static EPOCHS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    EPOCHS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Multiplicative hashing of sequence ids (callers often use consecutive ids).
@@ -157,6 +174,11 @@ impl Shard {
         &mut self.slots[slot as usize].as_mut().expect("a live slot").1
     }
 
+    /// Whether `slot` holds `id`.
+    fn holds(&self, slot: u32, id: SeqId) -> bool {
+        matches!(self.slots.get(slot as usize), Some(Some((held, _))) if *held == id)
+    }
+
     fn get(&mut self, id: SeqId) -> Option<&mut Sequence> {
         let slot = self.slot(id)?;
         Some(self.at(slot))
@@ -198,6 +220,11 @@ fn shard_of(id: SeqId) -> usize {
     (id.wrapping_mul(MIX) >> SHARD_SHIFT) as usize
 }
 
+/// The bit of `id`'s shard in a mask for [`SequenceMap::lock_shards`].
+pub(crate) fn shard_bit(id: SeqId) -> u32 {
+    1 << shard_of(id)
+}
+
 impl SequenceMap {
     /// No sequences.
     pub(crate) fn new() -> SequenceMap {
@@ -214,11 +241,7 @@ impl SequenceMap {
 
     /// Locks the shards holding `ids` (in shard order) for the duration of one operation.
     pub(crate) fn lock(&self, ids: &[SeqId]) -> LockedBatch<'_> {
-        let mut mask = 0u32;
-        for &id in ids {
-            mask |= 1 << shard_of(id);
-        }
-        self.lock_mask(mask)
+        self.lock_shards(ids.iter().fold(0, |mask, &id| mask | shard_bit(id)))
     }
 
     /// Locks the one shard holding `id`.
@@ -232,10 +255,11 @@ impl SequenceMap {
 
     /// Locks every shard, for an audit.
     pub(crate) fn lock_all(&self) -> LockedBatch<'_> {
-        self.lock_mask(ALL_SHARDS)
+        self.lock_shards(ALL_SHARDS)
     }
 
-    fn lock_mask(&self, mut mask: u32) -> LockedBatch<'_> {
+    /// Locks the shards in `mask` (bits from [`shard_bit`]), in shard order.
+    pub(crate) fn lock_shards(&self, mut mask: u32) -> LockedBatch<'_> {
         let mut guards: [Option<MutexGuard<'_, Shard>>; SHARDS] = std::array::from_fn(|_| None);
         while mask != 0 {
             let shard = mask.trailing_zeros() as usize;
@@ -277,6 +301,14 @@ impl LockedBatch<'_> {
             shard: shard as u8,
             slot,
         })
+    }
+
+    /// Where the sequence is, if live, trying `hint` (where it was found before) first.
+    pub(crate) fn find_hinted(&mut self, id: SeqId, hint: Option<Member>) -> Option<Member> {
+        match hint {
+            Some(member) if self.shard(id).holds(member.slot, id) => Some(member),
+            _ => self.find(id),
+        }
     }
 
     /// The member found by [`LockedBatch::find`] (in this batch, and still live).

@@ -19,7 +19,8 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use pagedkv::{
-    BlockId, BlockManager, Config, Error, Event, EventKind, Plan, PoolKind, SeqId, Stats, Token,
+    Batch as PersistentBatch, BlockId, BlockManager, Config, Error, Event, EventKind, Plan,
+    PoolKind, SeqId, Stats, Token,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -114,6 +115,9 @@ struct Seen {
     cpu_events: u64,
     commits: u64,
     out_of_blocks: u64,
+    /// Successful `step_batch` calls, and those whose rows carried copies.
+    batch_steps: u64,
+    batch_copies: u64,
 }
 
 /// SEMANTICS.md executed literally, one plain data structure per concept.
@@ -1111,6 +1115,9 @@ enum Op {
         ready: bool,
         tokens: Vec<Token>,
         extra_token: bool,
+        /// Through the harness's persistent batch (`step_batch`), its rows made those of
+        /// `batch` first, instead of `step`.
+        persistent: bool,
     },
     Plan {
         batch: Batch,
@@ -1206,12 +1213,14 @@ fn op() -> impl Strategy<Value = Op> {
             prop::bool::weighted(0.9),
             prop::collection::vec(token(), 4),
             prop::bool::weighted(0.03),
+            any::<bool>(),
         )
-            .prop_map(|(batch, ready, tokens, extra_token)| Op::Step {
+            .prop_map(|(batch, ready, tokens, extra_token, persistent)| Op::Step {
                 batch,
                 ready,
                 tokens,
-                extra_token
+                extra_token,
+                persistent,
             }),
         6 => (batch(4), prop::collection::vec(count(), 5))
             .prop_map(|(batch, query_lens)| Op::Plan { batch, query_lens }),
@@ -1289,6 +1298,10 @@ struct Harness {
     /// Events are numbered from 0 over the manager's life.
     next_seq_no: u64,
     plan: Plan,
+    /// A persistent batch kept across operations, and a copy of its table kept only by
+    /// applying its update logs (as a device copy would be).
+    batch: PersistentBatch,
+    mirror: Vec<i32>,
 }
 
 /// Whether a real error is one the model allows (InvalidArgument messages are free text).
@@ -1361,6 +1374,8 @@ impl Harness {
             binding: HashBinding::default(),
             next_seq_no: 0,
             plan: Plan::new(),
+            batch: PersistentBatch::new(),
+            mirror: Vec::new(),
         }
     }
 
@@ -1476,20 +1491,30 @@ impl Harness {
                 ready,
                 tokens,
                 extra_token,
+                persistent,
             } => {
                 let want = if *ready { Want::Ready } else { Want::Resident };
-                let seqs = self.resolve_batch(batch, want);
+                let mut seqs = self.resolve_batch(batch, want);
                 if seqs.is_empty() {
                     return Ok(());
+                }
+                let persistent = *persistent && !has_repeats(&seqs);
+                if persistent {
+                    seqs = self.make_rows(&seqs);
                 }
                 let mut tokens: Vec<Token> =
                     (0..seqs.len()).map(|i| tokens[i % tokens.len()]).collect();
                 if *extra_token {
                     tokens.push(0);
                 }
-                let real = self.real.step(&seqs, &tokens, &mut self.plan);
                 let model = self.model.step(&seqs, &tokens);
-                self.same_planned(real, model)?;
+                if persistent {
+                    let real = self.real.step_batch(&mut self.batch, &tokens);
+                    self.same_batch_step(real, model)?;
+                } else {
+                    let real = self.real.step(&seqs, &tokens, &mut self.plan);
+                    self.same_planned(real, model)?;
+                }
             }
             Op::Plan { batch, query_lens } => {
                 let seqs = self.resolve_batch(batch, Want::Resident);
@@ -1586,6 +1611,80 @@ impl Harness {
             Op::TakeEvents => self.compare_events()?,
         }
         self.compare_state()
+    }
+
+    /// Makes the persistent batch's rows exactly `seqs` (removing the others, adding the
+    /// missing ones at the end) and returns them in row order.
+    fn make_rows(&mut self, seqs: &[SeqId]) -> Vec<SeqId> {
+        let stale: Vec<SeqId> = (self.batch.seqs().iter())
+            .filter(|s| !seqs.contains(s))
+            .copied()
+            .collect();
+        for seq in stale {
+            self.batch.remove(seq).expect("a row");
+        }
+        for &seq in seqs {
+            if !self.batch.contains(seq) {
+                self.batch.add(seq).expect("a new row");
+            }
+        }
+        self.batch.seqs().to_vec()
+    }
+
+    /// Checks a `step_batch` against the model's `step` of the rows in order: the inputs, the
+    /// table (each row its sequence's blocks, padded with -1) and the table as rebuilt from the
+    /// update logs alone.
+    fn same_batch_step(
+        &mut self,
+        real: Result<(), Error>,
+        model: Expect<Plan>,
+    ) -> Result<(), TestCaseError> {
+        let m = match (real, model) {
+            (Ok(()), Ok(m)) => m,
+            (Err(r), Err(m)) => {
+                prop_assert!(allowed(&r, &m), "error {:?}, model allows {:?}", r, m);
+                return Ok(());
+            }
+            (r, m) => {
+                prop_assert!(false, "real {:?}, model {:?}", r, m.map(|_| "plan"));
+                return Ok(());
+            }
+        };
+        self.model.seen.batch_steps += 1;
+        self.model.seen.batch_copies += u64::from(!m.copies.is_empty());
+        let mut plan = Plan::new();
+        self.batch.write_plan(&mut plan);
+        same_plan(&plan, &m)?;
+        prop_assert!(self.batch.inputs().kv_indices.is_empty());
+        let width = self.batch.width();
+        for (r, row) in self.batch.block_table().chunks(width).enumerate() {
+            let pages = &m.kv_indices[m.kv_indptr[r] as usize..m.kv_indptr[r + 1] as usize];
+            prop_assert_eq!(&row[..pages.len()], pages, "table row {}", r);
+            prop_assert!(
+                row[pages.len()..].iter().all(|&b| b == -1),
+                "row {} padding",
+                r
+            );
+        }
+        let (table, updates) = (self.batch.block_table(), self.batch.updates());
+        if updates.full {
+            self.mirror = table.to_vec();
+        } else {
+            for (&at, &block) in updates.index.iter().zip(&updates.blocks) {
+                if at as usize >= self.mirror.len() {
+                    self.mirror.resize(at as usize + 1, -1);
+                }
+                self.mirror[at as usize] = block;
+            }
+        }
+        self.mirror.resize(self.mirror.len().max(table.len()), -1);
+        prop_assert_eq!(&self.mirror[..table.len()], table, "mirror");
+        prop_assert!(
+            self.mirror[table.len()..].iter().all(|&b| b == -1),
+            "mirror tail"
+        );
+        self.batch.clear_updates();
+        Ok(())
     }
 
     fn same_planned(
@@ -1794,6 +1893,8 @@ struct Summary {
     cpu_events: AtomicU64,
     commits: AtomicU64,
     out_of_blocks: AtomicU64,
+    batch_steps: AtomicU64,
+    batch_copies: AtomicU64,
 }
 
 impl Summary {
@@ -1811,6 +1912,8 @@ impl Summary {
             (&self.cpu_events, seen.cpu_events),
             (&self.commits, seen.commits),
             (&self.out_of_blocks, seen.out_of_blocks),
+            (&self.batch_steps, seen.batch_steps),
+            (&self.batch_copies, seen.batch_copies),
         ] {
             counter.fetch_add(n, Ordering::Relaxed);
         }
@@ -1862,6 +1965,8 @@ fn manager_matches_model() {
         ("CPU-tier events", &summary.cpu_events),
         ("explicit commits", &summary.commits),
         ("OutOfBlocks", &summary.out_of_blocks),
+        ("persistent batch steps", &summary.batch_steps),
+        ("copies in persistent batch steps", &summary.batch_copies),
     ] {
         assert!(get(counter) > 0, "the run never exercised {what}");
     }

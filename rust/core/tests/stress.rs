@@ -17,7 +17,7 @@ use std::sync::Barrier;
 use std::thread;
 
 use pagedkv::{
-    BlockId, BlockManager, Config, Error, Event, EventKind, Plan, PoolKind, SeqId, Token,
+    Batch, BlockId, BlockManager, Config, Error, Event, EventKind, Plan, PoolKind, SeqId, Token,
 };
 use splitmix64::{mix, SplitMix64};
 
@@ -82,6 +82,8 @@ struct Tally {
     out_of_blocks: AtomicU64,
     allocated: AtomicU64,
     steps: AtomicU64,
+    /// Steps through a persistent batch (also counted in `steps`).
+    batch_steps: AtomicU64,
     prefills: AtomicU64,
     copies: AtomicU64,
     forks: AtomicU64,
@@ -277,6 +279,41 @@ fn confirm_pending(mgr: &BlockManager, o: &mut Owned) {
 }
 
 /// One worker: drives its own sequences through every operation; returns what it still owns.
+/// Makes the persistent batch's rows exactly the sequences `live[i]` for `i` in `chosen`;
+/// returns their indices in row order.
+fn make_rows(rows: &mut Batch, live: &[Owned], chosen: &[usize]) -> Vec<usize> {
+    let ids: Vec<SeqId> = chosen.iter().map(|&i| live[i].id).collect();
+    for seq in rows.seqs().to_vec() {
+        if !ids.contains(&seq) {
+            rows.remove(seq).unwrap();
+        }
+    }
+    for &seq in &ids {
+        if !rows.contains(seq) {
+            rows.add(seq).unwrap();
+        }
+    }
+    let index_of = |seq: SeqId| chosen[ids.iter().position(|&s| s == seq).unwrap()];
+    rows.seqs().iter().map(|&seq| index_of(seq)).collect()
+}
+
+/// Each row of the batch's table holds its sequence's blocks, padded with -1.
+fn verify_rows(mgr: &BlockManager, rows: &Batch) {
+    let width = rows.width();
+    for (r, &seq) in rows.seqs().iter().enumerate() {
+        let table = mgr.block_table(seq).unwrap();
+        let row = &rows.block_table()[r * width..(r + 1) * width];
+        assert!(
+            table.iter().zip(row).all(|(&b, &e)| b as i32 == e),
+            "row {r}"
+        );
+        assert!(
+            row[table.len()..].iter().all(|&e| e == -1),
+            "row {r} padding"
+        );
+    }
+}
+
 fn worker(mgr: &BlockManager, thread_id: u64, ops: usize, tally: &Tally) -> Vec<Owned> {
     let mut rng = Rng::new(0x5EED ^ thread_id.wrapping_mul(0x1234_5678_9ABC));
     let bs = mgr.config().block_size as usize;
@@ -285,6 +322,9 @@ fn worker(mgr: &BlockManager, thread_id: u64, ops: usize, tally: &Tally) -> Vec<
     let mut live: Vec<Owned> = Vec::new();
     let mut next_id = thread_id << 40;
     let mut plan = Plan::new();
+    // A persistent batch for some decode steps; its rows of freed sequences stay until a
+    // step's rows are drawn without them.
+    let mut rows = Batch::new();
     let id = |o: &Owned| o.id;
     for _ in 0..ops {
         let roll = rng.below(100);
@@ -341,10 +381,25 @@ fn worker(mgr: &BlockManager, thread_id: u64, ops: usize, tally: &Tally) -> Vec<
                 Tally::count(&tally.prefills, 1);
             }
             32..=54 if !ready.is_empty() => {
-                let batch = subset(&mut rng, ready);
+                let mut batch = subset(&mut rng, ready);
+                let persistent = rng.below(2) == 0;
+                if persistent {
+                    batch = make_rows(&mut rows, &live, &batch);
+                }
                 let ids: Vec<SeqId> = batch.iter().map(|&i| live[i].id).collect();
                 let toks: Vec<Token> = batch.iter().map(|_| rng.token()).collect();
-                if tolerate_oob(mgr.step(&ids, &toks, &mut plan), tally) {
+                let stepped = if persistent {
+                    let result = mgr.step_batch(&mut rows, &toks);
+                    if result.is_ok() {
+                        rows.write_plan(&mut plan);
+                        verify_rows(mgr, &rows);
+                        Tally::count(&tally.batch_steps, 1);
+                    }
+                    result
+                } else {
+                    mgr.step(&ids, &toks, &mut plan)
+                };
+                if tolerate_oob(stepped, tally) {
                     for (&i, &t) in batch.iter().zip(&toks) {
                         live[i].tokens.push(t);
                         live[i].planned += 1;
@@ -495,6 +550,7 @@ fn four_threads_share_one_manager() {
         ("forks", &tally.forks),
         ("swaps", &tally.swaps),
         ("steps", &tally.steps),
+        ("persistent batch steps", &tally.batch_steps),
         ("prefills", &tally.prefills),
         ("copies", &tally.copies),
         ("commits", &tally.commits),

@@ -1,5 +1,6 @@
 //! Python bindings of `pagedkv`: type and error conversion only; all logic lives in the core.
 
+mod batch;
 mod conversions;
 mod events;
 mod manager;
@@ -12,6 +13,7 @@ use pyo3::prelude::*;
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::BlockManager>()?;
+    m.add_class::<batch::Batch>()?;
     m.add_class::<plan::Plan>()?;
     m.add_class::<stats::Stats>()?;
     m.add_class::<events::Event>()?;

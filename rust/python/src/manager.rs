@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 use pagedkv as core;
 
+use crate::batch::Batch;
 use crate::conversions::{
     integer, integers, pairs, salt_bytes, seq_id, seq_ids, to_py, token_ids, Count,
 };
@@ -254,6 +255,21 @@ impl BlockManager {
         py.detach(|| self.inner.step(&ids, &tokens, &mut plan))
             .map_err(to_py)?;
         Ok(self.hand_out(plan))
+    }
+
+    /// One decode step of a persistent batch: appends `token_ids[r]` to row `r`'s sequence
+    /// and fills the batch's attention inputs.
+    fn step_batch(
+        &self,
+        py: Python<'_>,
+        batch: &Bound<'_, Batch>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let tokens = self::token_ids(token_ids)?;
+        let mut batch = batch.try_borrow_mut()?;
+        let batch = &mut batch.inner;
+        py.detach(|| self.inner.step_batch(batch, &tokens))
+            .map_err(to_py)
     }
 
     /// The plan of any batch: each sequence's last `query_lens[i]` tokens are its queries.

@@ -1,10 +1,15 @@
-//! Appending and planning: `append`, `step` (one decode token per sequence) and `plan` (any
-//! batch), with the copy-on-write of a shared last block.
+//! Appending and planning: `append`, `step` (one decode token per sequence), `step_batch` (the
+//! same for a persistent [`Batch`]) and `plan` (any batch), with the copy-on-write of a shared
+//! last block.
 
+use crate::batch::Batch;
+use crate::block::BlockSize;
 use crate::error::invalid;
-use crate::manager::{check_room, no_gap, not_loading, one_each, visit, BlockManager};
+use crate::manager::{
+    check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager,
+};
 use crate::plan::Plan;
-use crate::sequence::{PendingCopy, Sequence};
+use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap};
 use crate::stats::Counters;
 use crate::{Error, SeqId, Token};
 
@@ -36,8 +41,23 @@ impl BlockManager {
     /// then writes the plan for one query token per sequence into `plan`. On an error `plan`
     /// is left empty.
     pub fn step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
-        self.fill_step(seqs, tokens, plan)
-            .inspect_err(|_| plan.begin(0, 0, 0, self.bs))
+        let mut rows = Listed {
+            seqs,
+            members: Vec::with_capacity(seqs.len()),
+            plan,
+        };
+        self.decode(&mut rows, tokens)
+            .inspect_err(|_| rows.plan.begin(0, 0, 0, self.bs))
+    }
+
+    /// One decode step of a persistent batch: appends `tokens[r]` to row `r`'s sequence for
+    /// every row (all or nothing), then writes the rows' attention inputs
+    /// ([`Batch::inputs`]) and the table entries that changed ([`Batch::updates`]). Host work
+    /// is `O(rows)` plus the blocks that changed, however long the sequences. Same semantics
+    /// and errors as [`BlockManager::step`] for the rows in order; on an error the batch is
+    /// as it was.
+    pub fn step_batch(&self, batch: &mut Batch, tokens: &[Token]) -> Result<(), Error> {
+        self.decode(batch, tokens)
     }
 
     /// Writes the plan for any batch into `plan`: sequence `seqs[i]`'s last `query_lens[i]`
@@ -48,22 +68,25 @@ impl BlockManager {
             .inspect_err(|_| plan.begin(0, 0, 0, self.bs))
     }
 
-    fn fill_step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
-        one_each("step", seqs.len(), tokens.len(), "tokens")?;
+    /// The decode step shared by `step` and `step_batch`.
+    fn decode<R: DecodeRows>(&self, rows: &mut R, tokens: &[Token]) -> Result<(), Error> {
+        let n = rows.len();
+        one_each(R::CALL, n, tokens.len(), "tokens")?;
         let stamp = self.next_stamp();
-        let mut batch = self.seqs.lock(seqs);
-        let mut members = Vec::with_capacity(seqs.len());
-        let (mut nnz, mut needed, mut copying) = (0, 0, false);
-        for &id in seqs {
-            let member = visit(&mut batch, id, stamp, false)?;
+        let mut batch = rows.lock(&self.seqs);
+        let (mut needed, mut copying, mut nnz, mut widest) = (0, false, 0, 0);
+        for row in 0..n {
+            let member = rows.visit(&mut batch, row, stamp)?;
             let s = batch.at(member);
+            let id = rows.id(row);
             not_loading(id, s)?;
             check_room(s.tokens.len(), 1)?;
             no_gap(id, s, s.tokens.len())?;
-            nnz += self.bs.pages(s.tokens.len() + 1);
+            let pages = self.bs.pages(s.tokens.len() + 1);
+            nnz += pages;
+            widest = widest.max(pages);
             needed += self.blocks_to_append(s, 1);
             copying |= !s.copying.is_empty();
-            members.push(member);
         }
         // Members with copies in flight are committed first: a completed copy releases its
         // source, which may be another member's tail that then needs no copy-on-write, so
@@ -71,31 +94,31 @@ impl BlockManager {
         // waits for its own member's turn below (one pass over the batch fewer).
         if copying && self.config.auto_commit {
             let mut computed = 0;
-            for &member in &members {
-                let s = batch.at(member);
+            for row in 0..n {
+                let s = batch.at(rows.member(row));
                 if !s.copying.is_empty() {
                     computed += self.auto_commit(s);
                 }
             }
             self.settle(computed);
-            needed = members
-                .iter()
-                .map(|&member| self.blocks_to_append(batch.at(member), 1))
+            needed = (0..n)
+                .map(|row| self.blocks_to_append(batch.at(rows.member(row)), 1))
                 .sum();
         }
+        rows.fit(widest)?;
         self.reserve_gpu(needed)?;
-        plan.begin(seqs.len(), nnz, seqs.len(), self.bs);
+        rows.begin(nnz, self.bs);
         let (mut used, mut computed) = (0, 0);
-        for (&member, &token) in members.iter().zip(tokens) {
-            let s = batch.at(member);
+        for (row, &token) in tokens.iter().enumerate() {
+            let s = batch.at(rows.member(row));
             computed += self.auto_commit(s);
             used += self.append_reserved(s, &[token]);
-            self.plan_one(s, 1, plan);
+            rows.push(row, s, self.bs);
         }
         self.settle(computed);
         self.gpu.unreserve(needed - used);
-        self.gpu.add_stored(seqs.len());
-        Counters::add(&self.counters.pending_tokens, seqs.len() as u64);
+        self.gpu.add_stored(n);
+        Counters::add(&self.counters.pending_tokens, n as u64);
         Ok(())
     }
 
@@ -134,16 +157,8 @@ impl BlockManager {
     /// Adds a validated sequence's last `q` tokens to the plan, with the copies it must apply
     /// first; the plan's forward pass computes the sequence's KV up to its end.
     fn plan_one(&self, s: &mut Sequence, q: usize, plan: &mut Plan) {
-        let len = s.tokens.len();
-        plan.push(&s.table, len, q, self.bs);
-        if !s.copies.is_empty() {
-            for mut copy in s.copies.drain(..) {
-                plan.push_copy(copy.src, copy.dst);
-                copy.until = len;
-                s.copying.push(copy);
-            }
-        }
-        s.planned = len;
+        plan.push(&s.table, s.tokens.len(), q, self.bs);
+        hand_over_copies(s, plan);
     }
 
     /// Blocks an append of `count` tokens takes: a copy-on-write of a shared partial last
@@ -188,16 +203,148 @@ impl BlockManager {
                 until: 0,
             });
             *last = dst;
+            s.table_changed();
             self.gpu.add_stored(fill as usize);
         }
         s.shared_tail = false;
-        s.tokens.extend_from_slice(tokens);
+        match tokens {
+            // A decode step's single token, without a call to copy one element.
+            &[token] => s.tokens.push(token),
+            _ => s.tokens.extend_from_slice(tokens),
+        }
         let pages = bs.pages(s.tokens.len());
         while s.table.len() < pages {
             s.table.push(self.take_fresh());
             used += 1;
         }
         used
+    }
+}
+
+/// Moves the sequence's recorded copies into the plan that computes its KV up to its end, and
+/// marks its tokens planned.
+fn hand_over_copies(s: &mut Sequence, plan: &mut Plan) {
+    let len = s.tokens.len();
+    if !s.copies.is_empty() {
+        for mut copy in s.copies.drain(..) {
+            plan.push_copy(copy.src, copy.dst);
+            copy.until = len;
+            s.copying.push(copy);
+        }
+    }
+    s.planned = len;
+}
+
+/// The rows of a decode step: where their sequences are and where their inputs go.
+trait DecodeRows {
+    /// The operation's name, for errors.
+    const CALL: &'static str;
+    fn len(&self) -> usize;
+    fn id(&self, row: usize) -> SeqId;
+    /// Locks the shards of every row's sequence.
+    fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m>;
+    /// Finds and checks row `row`'s sequence (live, on the GPU, once in the batch) and
+    /// remembers where it is.
+    fn visit(
+        &mut self,
+        batch: &mut LockedBatch<'_>,
+        row: usize,
+        stamp: u64,
+    ) -> Result<Member, Error>;
+    /// Where [`DecodeRows::visit`] found row `row`'s sequence.
+    fn member(&self, row: usize) -> Member;
+    /// Makes room for rows of up to `pages` blocks, before anything changes.
+    fn fit(&mut self, pages: usize) -> Result<(), Error>;
+    /// Starts the inputs: `nnz` pages in all.
+    fn begin(&mut self, nnz: usize, bs: BlockSize);
+    /// Adds row `row`'s inputs after its append, and hands over its copies.
+    fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
+}
+
+/// A list of sequences with a one-shot plan: the whole CSR is written each step.
+struct Listed<'a> {
+    seqs: &'a [SeqId],
+    members: Vec<Member>,
+    plan: &'a mut Plan,
+}
+
+impl DecodeRows for Listed<'_> {
+    const CALL: &'static str = "step";
+    fn len(&self) -> usize {
+        self.seqs.len()
+    }
+    fn id(&self, row: usize) -> SeqId {
+        self.seqs[row]
+    }
+    fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m> {
+        seqs.lock(self.seqs)
+    }
+    fn visit(
+        &mut self,
+        batch: &mut LockedBatch<'_>,
+        row: usize,
+        stamp: u64,
+    ) -> Result<Member, Error> {
+        let member = visit(batch, self.seqs[row], stamp, false)?;
+        self.members.push(member);
+        Ok(member)
+    }
+    fn member(&self, row: usize) -> Member {
+        self.members[row]
+    }
+    fn fit(&mut self, _pages: usize) -> Result<(), Error> {
+        Ok(())
+    }
+    fn begin(&mut self, nnz: usize, bs: BlockSize) {
+        let n = self.seqs.len();
+        self.plan.begin(n, nnz, n, bs);
+    }
+    fn push(&mut self, _row: usize, s: &mut Sequence, bs: BlockSize) {
+        self.plan.push(&s.table, s.tokens.len(), 1, bs);
+        hand_over_copies(s, self.plan);
+    }
+}
+
+/// A persistent batch: the table rows change only where blocks changed.
+impl DecodeRows for Batch {
+    const CALL: &'static str = "step_batch";
+    fn len(&self) -> usize {
+        Batch::len(self)
+    }
+    fn id(&self, row: usize) -> SeqId {
+        self.seqs()[row]
+    }
+    fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m> {
+        seqs.lock_shards(self.shards())
+    }
+    fn visit(
+        &mut self,
+        batch: &mut LockedBatch<'_>,
+        row: usize,
+        stamp: u64,
+    ) -> Result<Member, Error> {
+        if row == 0 {
+            self.members.clear();
+        }
+        let member = visit_hinted(batch, self.seqs()[row], self.member_hint(row), stamp, false)?;
+        self.members.push(member);
+        Ok(member)
+    }
+    fn member(&self, row: usize) -> Member {
+        self.members[row]
+    }
+    fn fit(&mut self, pages: usize) -> Result<(), Error> {
+        Batch::fit(self, pages)
+    }
+    fn begin(&mut self, _nnz: usize, bs: BlockSize) {
+        Batch::begin(self, bs);
+    }
+    fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize) {
+        let member = self.members[row];
+        self.found(row, member);
+        self.sync_row(row, &s.table, s.epoch);
+        self.push_inputs(&s.table, s.tokens.len(), bs);
+        hand_over_copies(s, &mut self.inputs);
     }
 }
 

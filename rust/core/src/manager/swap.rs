@@ -144,6 +144,7 @@ impl BlockManager {
                 *block = target;
             }
             s.swap_source = Some(source);
+            s.table_changed();
             s.swapped = !to_gpu;
             // Sequences swapped together keep sharing the blocks they shared.
             s.shared_tail = true;

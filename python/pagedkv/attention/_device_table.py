@@ -1,0 +1,75 @@
+"""A `pagedkv.Batch`'s block table kept on the device, and the CSR built from it there.
+
+A persistent batch writes only the table entries that changed in a step (a new block every
+`block_size` steps per row, a row that joins, leaves or moves) and logs them. `DeviceBlockTable`
+applies that log as one small scatter, so the host uploads `O(changes)` ints per step instead of
+the whole CSR, and `kv_indices` builds FlashInfer's `kv_indices` from the table on the device,
+with torch ops whose sizes are known on the host (no device sync).
+
+    table = DeviceBlockTable(torch.device("cuda"))
+    mgr.step_batch(batch, tokens)
+    table.sync(batch)
+    kv_indptr = torch.from_numpy(batch.kv_indptr).to(device)
+    kv_indices = table.kv_indices(kv_indptr, nnz=int(batch.kv_indptr[-1]))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedkv._core import Batch
+
+
+class DeviceBlockTable:
+    """A device copy of one batch's `[rows, width]` int32 block table (padded with -1)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self._device = torch.device(device)
+        self._table: torch.Tensor | None = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The device table: at least as many rows as the batch (spare rows hold -1)."""
+        if self._table is None:
+            raise RuntimeError("DeviceBlockTable.table: call sync(batch) first")
+        return self._table
+
+    def sync(self, batch: Batch) -> None:
+        """Apply the batch's table updates since the last sync (and clear its log).
+
+        One `DeviceBlockTable` follows one batch: the log is the batch's only record of what
+        changed, so a second consumer of the same batch would miss updates.
+        """
+        full, index, blocks = batch.take_updates()
+        rows, width = len(batch), batch.width
+        table = self._table
+        # A removal logs the vacated row, one past the length: room for it too.
+        if full or table is None or table.shape[1] != width or table.shape[0] <= rows:
+            self._upload(batch, rows, width)
+            return
+        if index.size == 0:
+            return
+        # A position may repeat in the log; its last write wins.
+        last = index.size - 1 - np.unique(index[::-1], return_index=True)[1]
+        index_dev = torch.from_numpy(index[last]).to(self._device, non_blocking=True)
+        blocks_dev = torch.from_numpy(blocks[last]).to(self._device, non_blocking=True)
+        table.view(-1).index_copy_(0, index_dev, blocks_dev)
+
+    def _upload(self, batch: Batch, rows: int, width: int) -> None:
+        """Copy the whole table into a fresh device tensor with spare rows (-1)."""
+        capacity = max(2 * rows, 16)
+        table = torch.full((capacity, width), -1, dtype=torch.int32, device=self._device)
+        if rows and width:
+            table[:rows].copy_(torch.from_numpy(batch.block_table))
+        self._table = table
+
+    def kv_indices(self, kv_indptr: torch.Tensor, nnz: int) -> torch.Tensor:
+        """`[nnz]` int32 CSR pages: row `r`'s first `kv_indptr[r + 1] - kv_indptr[r]` entries,
+        concatenated. `kv_indptr` is the batch's `[B + 1]` offsets, on this device; `nnz` its
+        last value, known on the host."""
+        pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+        rows = torch.arange(pages.shape[0], device=self._device)
+        row_of = torch.repeat_interleave(rows, pages, output_size=nnz)
+        col = torch.arange(nnz, device=self._device) - kv_indptr[:-1].to(torch.int64)[row_of]
+        return self.table[row_of, col]

@@ -1,0 +1,405 @@
+//! The persistent decode batch: rows that stay across steps, a padded block table that a step
+//! only writes where it changed, and the per-step attention inputs (`O(batch)`). A decode step
+//! through it ([`crate::BlockManager::step_batch`]) costs `O(batch)` host work however long the
+//! sequences are; the CSR `kv_indices` is derived from the table where it is needed (on the
+//! device, or with [`Batch::write_kv_indices`]).
+
+use std::collections::HashMap;
+
+use crate::block::BlockSize;
+use crate::error::invalid;
+use crate::plan::Plan;
+use crate::sequence::{shard_bit, Member};
+use crate::{BlockId, Error, SeqId};
+
+/// The narrowest table a batch lays out (columns); it doubles when a row needs more.
+const MIN_WIDTH: usize = 16;
+
+/// Table entries past a row's pages.
+const PAD: i32 = -1;
+
+/// A decode batch that persists across steps (like vLLM v1's `InputBatch` and `BlockTable`).
+///
+/// Rows are added with [`Batch::add`] and removed with [`Batch::remove`] (the last row moves
+/// into the hole); [`crate::BlockManager::step_batch`] appends one token to every row's sequence
+/// and fills the attention inputs, in row order. The block table is `[len, width]` row-major,
+/// each row its sequence's blocks padded with -1; a step writes only entries that changed and
+/// logs them in [`Batch::updates`], so a device copy of the table stays in sync with a scatter
+/// of a few entries per step.
+///
+/// The input arrays describe the last step and are stale once rows are added or removed,
+/// until the next step.
+#[derive(Debug, Default)]
+pub struct Batch {
+    ids: Vec<SeqId>,
+    rows: Vec<Row>,
+    row_of: HashMap<SeqId, usize>,
+    /// Shards of the rows' sequences, as `SequenceMap::lock_shards` takes them; `None` after a
+    /// removal, until the next step recomputes it.
+    shards: Option<u32>,
+    width: usize,
+    table: Vec<i32>,
+    updates: TableUpdates,
+    pub(crate) inputs: Plan,
+    /// Scratch: where each row's sequence was found in this step.
+    pub(crate) members: Vec<Member>,
+}
+
+/// What a batch knows of a row's sequence since its last step.
+#[derive(Clone, Copy, Debug, Default)]
+struct Row {
+    /// Where the sequence was last found (a hint: checked before use).
+    member: Option<Member>,
+    /// The table version the row mirrors (0: none yet).
+    epoch: u64,
+    /// Entries of the row that hold blocks; the rest are -1.
+    pages: usize,
+}
+
+/// The table entries written since the log was last cleared: flat positions `row * width +
+/// column` and their new values, or `full` when the layout changed (the width grew) or so many
+/// entries changed that copying the whole table is cheaper. A removal logs the vacated last
+/// row's clearing, so positions may reach one row past the length; a copy applying every log
+/// equals the table, with -1 in the rows past it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TableUpdates {
+    /// The whole table must be copied; `index` and `blocks` are empty.
+    pub full: bool,
+    /// Flat positions written, in order (a position may repeat; the last write wins).
+    pub index: Vec<i64>,
+    /// The value written at each position.
+    pub blocks: Vec<i32>,
+}
+
+impl Batch {
+    /// An empty batch.
+    pub fn new() -> Batch {
+        Batch::default()
+    }
+
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether the batch has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The sequence of each row, in row order.
+    pub fn seqs(&self) -> &[SeqId] {
+        &self.ids
+    }
+
+    /// Whether `seq` has a row.
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.row_of.contains_key(&seq)
+    }
+
+    /// The row of `seq`, if it has one.
+    pub fn row(&self, seq: SeqId) -> Option<usize> {
+        self.row_of.get(&seq).copied()
+    }
+
+    /// Adds a row for `seq` at the end; its table row is filled by the next step. Fails if it
+    /// already has one. The sequence is checked (live, on the GPU) by each step, not here.
+    pub fn add(&mut self, seq: SeqId) -> Result<(), Error> {
+        if self.row_of.contains_key(&seq) {
+            return Err(invalid(format!("sequence {seq} is already in the batch")));
+        }
+        self.row_of.insert(seq, self.ids.len());
+        self.ids.push(seq);
+        self.rows.push(Row::default());
+        self.table.resize(self.table.len() + self.width, PAD);
+        if let Some(shards) = &mut self.shards {
+            *shards |= shard_bit(seq);
+        }
+        Ok(())
+    }
+
+    /// Removes the row of `seq`; the last row moves into its place (its table entries are
+    /// copied and logged, the vacated row cleared). Fails if `seq` has no row.
+    pub fn remove(&mut self, seq: SeqId) -> Result<(), Error> {
+        let row = self
+            .row_of
+            .remove(&seq)
+            .ok_or_else(|| invalid(format!("sequence {seq} is not in the batch")))?;
+        let last = self.ids.len() - 1;
+        let moved = self.rows[last];
+        if row != last {
+            for col in 0..moved.pages.max(self.rows[row].pages) {
+                let value = if col < moved.pages {
+                    self.table[last * self.width + col]
+                } else {
+                    PAD
+                };
+                self.set(row, col, value);
+            }
+            self.rows[row] = moved;
+            self.ids[row] = self.ids[last];
+            self.row_of.insert(self.ids[row], row);
+        }
+        // The vacated row is cleared (and logged), so a copy's rows past the length stay -1.
+        for col in 0..moved.pages {
+            self.set(last, col, PAD);
+        }
+        self.ids.pop();
+        self.rows.pop();
+        self.table.truncate(self.ids.len() * self.width);
+        self.shards = None;
+        Ok(())
+    }
+
+    /// Removes every row.
+    pub fn clear(&mut self) {
+        self.ids.clear();
+        self.rows.clear();
+        self.row_of.clear();
+        self.table.clear();
+        self.shards = Some(0);
+        self.updates.full = true;
+        self.updates.index.clear();
+        self.updates.blocks.clear();
+    }
+
+    /// Columns of the block table.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// The `[len, width]` row-major block table: row `r` holds its sequence's blocks as of the
+    /// last step, padded with -1.
+    pub fn block_table(&self) -> &[i32] {
+        &self.table
+    }
+
+    /// The table entries written since [`Batch::clear_updates`].
+    pub fn updates(&self) -> &TableUpdates {
+        &self.updates
+    }
+
+    /// Empties the update log, once a device copy of the table has applied it.
+    pub fn clear_updates(&mut self) {
+        self.updates.full = false;
+        self.updates.index.clear();
+        self.updates.blocks.clear();
+    }
+
+    /// The last step's attention inputs, as a [`Plan`] whose `kv_indices` is empty (derive it
+    /// from the table: [`Batch::write_kv_indices`]). One query token per row.
+    pub fn inputs(&self) -> &Plan {
+        &self.inputs
+    }
+
+    /// Writes the CSR `kv_indices` of the last step (row `r`'s first `kv_indptr[r + 1] -
+    /// kv_indptr[r]` table entries, concatenated) into `out`.
+    pub fn write_kv_indices(&self, out: &mut Vec<i32>) {
+        out.clear();
+        out.reserve(self.inputs.kv_indptr.last().map_or(0, |&n| n as usize));
+        for (row, span) in self.inputs.kv_indptr.windows(2).enumerate() {
+            let start = row * self.width;
+            out.extend_from_slice(&self.table[start..start + (span[1] - span[0]) as usize]);
+        }
+    }
+
+    /// The last step as a complete one-shot [`Plan`] (with `kv_indices`), as
+    /// [`crate::BlockManager::step`] would have written it for the rows in order.
+    pub fn write_plan(&self, plan: &mut Plan) {
+        plan.clone_from(&self.inputs);
+        self.write_kv_indices(&mut plan.kv_indices);
+    }
+
+    /// The shards to lock for a step (recomputed after a removal).
+    pub(crate) fn shards(&mut self) -> u32 {
+        *self
+            .shards
+            .get_or_insert_with(|| self.ids.iter().fold(0, |mask, &id| mask | shard_bit(id)))
+    }
+
+    /// Where row `row`'s sequence was last found.
+    pub(crate) fn member_hint(&self, row: usize) -> Option<Member> {
+        self.rows[row].member
+    }
+
+    /// Remembers where row `row`'s sequence is.
+    pub(crate) fn found(&mut self, row: usize, member: Member) {
+        self.rows[row].member = Some(member);
+    }
+
+    /// Widens the table, before a step changes anything, so every row fits `pages` entries.
+    /// Fails, leaving the batch as it was, when the wider table cannot be allocated.
+    pub(crate) fn fit(&mut self, pages: usize) -> Result<(), Error> {
+        if pages <= self.width {
+            return Ok(());
+        }
+        let width = pages.next_power_of_two().max(MIN_WIDTH).max(2 * self.width);
+        let entries = self.ids.len().saturating_mul(width);
+        let mut table = Vec::new();
+        table.try_reserve_exact(entries).map_err(|_| {
+            invalid(format!(
+                "the batch's block table of {} rows x {width} blocks cannot be allocated",
+                self.ids.len()
+            ))
+        })?;
+        for (row, old) in self.rows.iter().zip(self.table.chunks(self.width.max(1))) {
+            table.extend_from_slice(&old[..row.pages]);
+            table.resize(table.len() + width - row.pages, PAD);
+        }
+        table.resize(entries, PAD);
+        self.table = table;
+        self.width = width;
+        self.log_full();
+        Ok(())
+    }
+
+    /// Makes row `row` mirror `blocks`, a table of version `epoch`: only new entries when the
+    /// row already mirrors that version, else the whole row.
+    pub(crate) fn sync_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64) {
+        let Row {
+            epoch: seen, pages, ..
+        } = self.rows[row];
+        debug_assert!(blocks.len() <= self.width, "fit() widened the table");
+        let from = if seen == epoch {
+            pages.min(blocks.len())
+        } else {
+            0
+        };
+        for (col, &block) in blocks.iter().enumerate().skip(from) {
+            self.set(row, col, block as i32);
+        }
+        for col in blocks.len()..pages {
+            self.set(row, col, PAD);
+        }
+        self.rows[row].epoch = epoch;
+        self.rows[row].pages = blocks.len();
+    }
+
+    /// Writes one entry, logging it if it changed.
+    fn set(&mut self, row: usize, col: usize, value: i32) {
+        let at = row * self.width + col;
+        if self.table[at] == value {
+            return;
+        }
+        self.table[at] = value;
+        if self.updates.full {
+            return;
+        }
+        if self.updates.index.len() >= self.table.len() / 2 {
+            self.log_full();
+            return;
+        }
+        self.updates.index.push(at as i64);
+        self.updates.blocks.push(value);
+    }
+
+    fn log_full(&mut self) {
+        self.updates.full = true;
+        self.updates.index.clear();
+        self.updates.blocks.clear();
+    }
+
+    /// Begins a step's inputs for the batch, with blocks of `bs` tokens.
+    pub(crate) fn begin(&mut self, bs: BlockSize) {
+        let n = self.ids.len();
+        self.inputs.begin(n, 0, n, bs);
+    }
+
+    /// Adds row `row`'s inputs: `len` tokens in its sequence's `blocks`, the last one new.
+    pub(crate) fn push_inputs(&mut self, blocks: &[BlockId], len: usize, bs: BlockSize) {
+        let inputs = &mut self.inputs;
+        let pages = blocks.len();
+        let nnz = inputs.kv_indptr.last().copied().unwrap_or(0);
+        inputs.kv_indptr.push(nnz + pages as i32);
+        inputs
+            .kv_last_page_len
+            .push((len - (pages - 1) * bs.get()) as i32);
+        inputs.qo_indptr.push(inputs.positions.len() as i32 + 1);
+        let p = len - 1;
+        inputs.positions.push(p as i32);
+        inputs
+            .slot_mapping
+            .push((blocks[bs.index(p)] as usize * bs.get() + bs.offset(p)) as i32);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entries(batch: &Batch) -> Vec<Vec<i32>> {
+        batch
+            .block_table()
+            .chunks(batch.width())
+            .map(|row| row.to_vec())
+            .collect()
+    }
+
+    #[test]
+    fn rows_sync_only_what_changed() {
+        let mut batch = Batch::new();
+        batch.add(7).unwrap();
+        batch.add(9).unwrap();
+        assert!(batch.add(7).is_err());
+        batch.fit(3).unwrap();
+        assert_eq!(batch.width(), MIN_WIDTH);
+        assert!(batch.updates().full);
+        batch.clear_updates();
+        batch.sync_row(0, &[4, 5], 1);
+        batch.sync_row(1, &[8], 1);
+        assert_eq!(batch.updates().index, vec![0, 1, 16]);
+        batch.clear_updates();
+        // Same version, one more block: one entry.
+        batch.sync_row(0, &[4, 5, 6], 1);
+        assert_eq!(batch.updates().index, vec![2]);
+        assert_eq!(batch.updates().blocks, vec![6]);
+        batch.clear_updates();
+        // A new version (a copy on write, or another sequence): the whole row, only the entries
+        // that differ logged, and the shorter row padded.
+        batch.sync_row(0, &[4, 3], 2);
+        assert_eq!(batch.updates().index, vec![1, 2]);
+        assert_eq!(batch.updates().blocks, vec![3, -1]);
+        assert_eq!(&entries(&batch)[0][..4], &[4, 3, -1, -1]);
+    }
+
+    #[test]
+    fn removing_moves_the_last_row_into_the_hole() {
+        let mut batch = Batch::new();
+        for seq in [1, 2, 3] {
+            batch.add(seq).unwrap();
+        }
+        batch.fit(4).unwrap();
+        batch.sync_row(0, &[1, 1, 1], 1);
+        batch.sync_row(1, &[2], 1);
+        batch.sync_row(2, &[3, 3], 1);
+        batch.clear_updates();
+        batch.remove(1).unwrap();
+        assert_eq!(batch.seqs(), &[3, 2]);
+        assert_eq!(batch.row(3), Some(0));
+        assert_eq!(&entries(&batch)[0][..4], &[3, 3, -1, -1]);
+        // Row 0 takes row 2's blocks; row 2 is cleared.
+        assert_eq!(batch.updates().index, vec![0, 1, 2, 32, 33]);
+        assert_eq!(batch.updates().blocks, vec![3, 3, -1, -1, -1]);
+        assert_eq!(batch.block_table().len(), 2 * batch.width());
+        assert!(batch.remove(1).is_err());
+        batch.remove(2).unwrap();
+        assert_eq!(batch.seqs(), &[3]);
+    }
+
+    #[test]
+    fn widening_keeps_every_row() {
+        let mut batch = Batch::new();
+        batch.add(1).unwrap();
+        batch.add(2).unwrap();
+        batch.fit(2).unwrap();
+        batch.sync_row(0, &[5, 6], 1);
+        batch.sync_row(1, &[7], 1);
+        batch.fit(40).unwrap();
+        assert_eq!(batch.width(), 64);
+        let rows = entries(&batch);
+        assert_eq!(&rows[0][..3], &[5, 6, -1]);
+        assert_eq!(&rows[1][..2], &[7, -1]);
+        assert!(rows[1][2..].iter().all(|&b| b == -1));
+        assert!(batch.updates().full);
+    }
+}

@@ -1,0 +1,197 @@
+"""The persistent decode batch: `pagedkv.Batch` with `BlockManager.step_batch`, checked against
+the one-shot `step` of the same rows, and its table kept on a device by `DeviceBlockTable`.
+
+The Rust model test (rust/core/tests/model.rs) drives `step_batch` through every operation of
+the manager; these tests cover the Python surface: arrays, errors, the update log and the
+device-side CSR.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv import Batch, BlockManager, OutOfBlocks
+from pagedkv.attention._device_table import DeviceBlockTable
+
+KEY = bytes(32)
+
+
+def admitted(mgr: BlockManager, seq_id: int, prompt: list[int]) -> int:
+    """Allocates and prefills `seq_id`."""
+    reused = mgr.allocate(seq_id, prompt)
+    mgr.plan([seq_id], [len(prompt) - reused])
+    return seq_id
+
+
+def test_step_batch_by_hand() -> None:
+    mgr = BlockManager(16, 4, hash_key=KEY)
+    admitted(mgr, 1, [1, 2, 3, 4, 5])  # blocks 0, 1
+    admitted(mgr, 2, [9, 9, 9])  # block 2
+    batch = Batch()
+    batch.add(1)
+    batch.add(2)
+    assert len(batch) == 2 and 2 in batch and 3 not in batch and batch.row(2) == 1
+    assert batch.block_size == 0
+    mgr.step_batch(batch, [6, 7])
+    assert batch.block_size == 4
+    assert batch.seq_ids.tolist() == [1, 2]
+    assert batch.kv_indptr.tolist() == [0, 2, 3]
+    assert batch.kv_indices.tolist() == [0, 1, 2]
+    assert batch.kv_last_page_len.tolist() == [2, 4]
+    assert batch.qo_indptr.tolist() == [0, 1, 2]
+    assert batch.positions.tolist() == [5, 3]
+    assert batch.slot_mapping.tolist() == [1 * 4 + 1, 2 * 4 + 3]
+    assert batch.copies.shape == (0, 2)
+    assert batch.width == 16
+    table = batch.block_table
+    assert table.shape == (2, 16) and table.dtype == np.int32
+    assert table[0, :3].tolist() == [0, 1, -1] and table[1, :2].tolist() == [2, -1]
+    # The first step lays the table out: copy it whole.
+    full, index, blocks = batch.take_updates()
+    assert full and index.size == 0 and blocks.size == 0
+    mgr.step_batch(batch, [8, 9])  # sequence 2 fills block 2 and takes block 3
+    full, index, blocks = batch.take_updates()
+    assert not full and index.dtype == np.int64 and blocks.dtype == np.int32
+    assert index.tolist() == [16 + 1] and blocks.tolist() == [3]
+    assert mgr.token_ids(2).tolist() == [9, 9, 9, 7, 9]
+    assert repr(batch) == "Batch(len=2, width=16)"
+    mgr.check()
+
+
+def test_rows_move_on_removal() -> None:
+    mgr = BlockManager(32, 4, hash_key=KEY)
+    batch = Batch()
+    for seq_id in (1, 2, 3):
+        admitted(mgr, seq_id, [seq_id] * (4 * seq_id))
+        batch.add(seq_id)
+    mgr.step_batch(batch, [0, 0, 0])
+    batch.take_updates()
+    batch.remove(1)
+    assert batch.seq_ids.tolist() == [3, 2]
+    mgr.step_batch(batch, [0, 0])
+    assert batch.kv_indices.tolist() == [
+        *mgr.block_table(3).tolist(),
+        *mgr.block_table(2).tolist(),
+    ]
+    batch.clear()
+    assert len(batch) == 0
+
+
+def test_errors_name_the_problem_and_change_nothing() -> None:
+    mgr = BlockManager(4, 4, hash_key=KEY)
+    admitted(mgr, 1, [1, 2, 3, 4])  # one full block: the next token needs another
+    batch = Batch()
+    batch.add(1)
+    with pytest.raises(ValueError, match="already in the batch"):
+        batch.add(1)
+    with pytest.raises(ValueError, match="not in the batch"):
+        batch.remove(7)
+    with pytest.raises(ValueError, match="1 sequences but 2 tokens"):
+        mgr.step_batch(batch, [5, 6])
+    batch.add(9)
+    with pytest.raises(KeyError):
+        mgr.step_batch(batch, [5, 6])
+    batch.remove(9)
+    mgr.allocate(2, list(range(12)))  # the pool's other three blocks
+    with pytest.raises(OutOfBlocks):
+        mgr.step_batch(batch, [5])
+    assert mgr.token_ids(1).tolist() == [1, 2, 3, 4]
+    mgr.free(2)
+    mgr.step_batch(batch, [5])
+    assert mgr.token_ids(1).tolist() == [1, 2, 3, 4, 5]
+    mgr.check()
+
+
+def test_an_empty_batch_steps_to_empty_inputs() -> None:
+    mgr = BlockManager(8, 4, hash_key=KEY)
+    batch = Batch()
+    mgr.step_batch(batch, [])
+    assert batch.kv_indptr.tolist() == [0] and batch.positions.size == 0
+    assert batch.block_table.shape == (0, 0) and batch.kv_indices.size == 0
+
+
+def run_random_batch(seed: int, device: torch.device) -> None:
+    """Random admissions, decode steps, removals and frees through one batch and the one-shot
+    `step` on a twin manager; the device table, synced from the update log alone, must equal
+    the host table, and its CSR the step's."""
+    rng = np.random.default_rng(seed)
+    mgrs = [BlockManager(96, 4, hash_key=KEY) for _ in range(2)]
+    batch = Batch()
+    table = DeviceBlockTable(device)
+    order: list[int] = []  # the rows, as the one-shot step sees them
+    next_id = 0
+    for _ in range(300):
+        if len(order) < 8 and rng.random() < 0.3:
+            prompt = rng.integers(0, 50, int(rng.integers(1, 30))).tolist()
+            if all(m.can_allocate(prompt) for m in mgrs):
+                for m in mgrs:
+                    admitted(m, next_id, prompt)
+                batch.add(next_id)
+                order = batch.seq_ids.tolist()
+                next_id += 1
+        if order and rng.random() < 0.15:
+            gone = int(rng.choice(order))
+            for m in mgrs:
+                m.free(gone)
+            batch.remove(gone)
+            order = batch.seq_ids.tolist()
+        if not order:
+            continue
+        tokens = rng.integers(0, 50, len(order)).astype(np.int32)
+        try:
+            mgrs[0].step_batch(batch, tokens)
+        except OutOfBlocks:
+            with pytest.raises(OutOfBlocks):
+                mgrs[1].step(order, tokens)
+            continue
+        plan = mgrs[1].step(order, tokens)
+        for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "qo_indptr", "positions"):
+            np.testing.assert_array_equal(getattr(batch, name), getattr(plan, name), name)
+        # Same decisions; the twins take the same blocks since rows are in the same order.
+        np.testing.assert_array_equal(batch.slot_mapping, plan.slot_mapping)
+        table.sync(batch)
+        rows = len(batch)
+        host = torch.from_numpy(batch.block_table)
+        assert torch.equal(table.table[:rows].cpu(), host)
+        assert bool((table.table[rows:] == -1).all())
+        indptr = torch.from_numpy(batch.kv_indptr).to(device)
+        csr = table.kv_indices(indptr, int(batch.kv_indptr[-1]))
+        np.testing.assert_array_equal(csr.cpu().numpy(), plan.kv_indices)
+    for m in mgrs:
+        m.check()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_device_table_follows_the_batch_on_cpu(seed: int) -> None:
+    run_random_batch(seed, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_table_follows_the_batch_on_cuda() -> None:
+    run_random_batch(0, torch.device("cuda"))
+
+
+def test_device_table_needs_a_sync_first() -> None:
+    with pytest.raises(RuntimeError, match="sync"):
+        _ = DeviceBlockTable("cpu").table
+
+
+def test_a_batch_plans_attention_like_a_plan() -> None:
+    from pagedkv.attention import PagedAttention, StepPlan
+
+    mgrs = [BlockManager(64, 4, hash_key=KEY) for _ in range(2)]
+    batch = Batch()
+    for seq_id, prompt in ((1, [1, 2, 3, 4, 5, 6]), (2, [7, 8])):
+        for m in mgrs:
+            admitted(m, seq_id, prompt)
+        batch.add(seq_id)
+    mgrs[0].step_batch(batch, [9, 9])
+    plan = mgrs[1].step([1, 2], [9, 9])
+    ours, theirs = (StepPlan.from_plan(p, 4) for p in (batch, plan))
+    for field in ("kv_indptr", "kv_indices", "kv_last_page_len", "qo_indptr", "kv_lens"):
+        np.testing.assert_array_equal(getattr(ours, field), getattr(theirs, field), field)
+    attn = PagedAttention(2, 1, 8, 4, backend="torch", dtype=torch.float32)
+    attn.plan(batch)
+    assert attn.graph_batch_size is None
