@@ -239,26 +239,46 @@ fn hand_over_copies(s: &mut Sequence, plan: &mut Plan) {
 trait DecodeRows {
     /// The operation's name, for errors.
     const CALL: &'static str;
-    fn len(&self) -> usize;
-    fn id(&self, row: usize) -> SeqId;
+    /// The sequence of each row.
+    fn seqs(&self) -> &[SeqId];
+    /// Where row `row`'s sequence was found before, if known.
+    fn hint(&self, row: usize) -> Option<Member>;
+    /// Where this step found each row's sequence, in row order.
+    fn members(&mut self) -> &mut Vec<Member>;
     /// Locks the shards of every row's sequence.
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m>;
-    /// Finds and checks row `row`'s sequence (live, on the GPU, once in the batch) and
-    /// remembers where it is.
-    fn visit(
-        &mut self,
-        batch: &mut LockedBatch<'_>,
-        row: usize,
-        stamp: u64,
-    ) -> Result<Member, Error>;
-    /// Where [`DecodeRows::visit`] found row `row`'s sequence.
-    fn member(&self, row: usize) -> Member;
     /// Makes room for rows of up to `pages` blocks, before anything changes.
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
     /// Starts the inputs: `nnz` pages in all.
     fn begin(&mut self, nnz: usize, bs: BlockSize);
     /// Adds row `row`'s inputs after its append, and hands over its copies.
     fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
+
+    fn len(&self) -> usize {
+        self.seqs().len()
+    }
+    fn id(&self, row: usize) -> SeqId {
+        self.seqs()[row]
+    }
+    /// Finds and checks row `row`'s sequence (live, on the GPU, once in the batch) and
+    /// remembers where it is; rows are visited in order, from 0.
+    fn visit(
+        &mut self,
+        batch: &mut LockedBatch<'_>,
+        row: usize,
+        stamp: u64,
+    ) -> Result<Member, Error> {
+        if row == 0 {
+            self.members().clear();
+        }
+        let member = visit_hinted(batch, self.id(row), self.hint(row), stamp, false)?;
+        self.members().push(member);
+        Ok(member)
+    }
+    /// Where [`DecodeRows::visit`] found row `row`'s sequence.
+    fn member(&mut self, row: usize) -> Member {
+        self.members()[row]
+    }
 }
 
 /// A list of sequences with a one-shot plan: the whole CSR is written each step.
@@ -270,27 +290,17 @@ struct Listed<'a> {
 
 impl DecodeRows for Listed<'_> {
     const CALL: &'static str = "step";
-    fn len(&self) -> usize {
-        self.seqs.len()
+    fn seqs(&self) -> &[SeqId] {
+        self.seqs
     }
-    fn id(&self, row: usize) -> SeqId {
-        self.seqs[row]
+    fn hint(&self, _row: usize) -> Option<Member> {
+        None
+    }
+    fn members(&mut self) -> &mut Vec<Member> {
+        &mut self.members
     }
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m> {
         seqs.lock(self.seqs)
-    }
-    fn visit(
-        &mut self,
-        batch: &mut LockedBatch<'_>,
-        row: usize,
-        stamp: u64,
-    ) -> Result<Member, Error> {
-        let member = visit(batch, self.seqs[row], stamp, false)?;
-        self.members.push(member);
-        Ok(member)
-    }
-    fn member(&self, row: usize) -> Member {
-        self.members[row]
     }
     fn fit(&mut self, _pages: usize) -> Result<(), Error> {
         Ok(())
@@ -308,30 +318,17 @@ impl DecodeRows for Listed<'_> {
 /// A persistent batch: the table rows change only where blocks changed.
 impl DecodeRows for Batch {
     const CALL: &'static str = "step_batch";
-    fn len(&self) -> usize {
-        Batch::len(self)
+    fn seqs(&self) -> &[SeqId] {
+        Batch::seqs(self)
     }
-    fn id(&self, row: usize) -> SeqId {
-        self.seqs()[row]
+    fn hint(&self, row: usize) -> Option<Member> {
+        self.member_hint(row)
+    }
+    fn members(&mut self) -> &mut Vec<Member> {
+        &mut self.members
     }
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m> {
         seqs.lock_shards(self.shards())
-    }
-    fn visit(
-        &mut self,
-        batch: &mut LockedBatch<'_>,
-        row: usize,
-        stamp: u64,
-    ) -> Result<Member, Error> {
-        if row == 0 {
-            self.members.clear();
-        }
-        let member = visit_hinted(batch, self.seqs()[row], self.member_hint(row), stamp, false)?;
-        self.members.push(member);
-        Ok(member)
-    }
-    fn member(&self, row: usize) -> Member {
-        self.members[row]
     }
     fn fit(&mut self, pages: usize) -> Result<(), Error> {
         Batch::fit(self, pages)
