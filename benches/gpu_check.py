@@ -14,7 +14,10 @@ Triton by default) it measures:
 5. decode speed at batch 64 and 256 with contexts 1K, 4K and 16K (32 query heads, 8 KV heads,
    head_dim 128, block 16): a loop of calls timed between one pair of events, as KV-read
    bandwidth against a device-to-device copy measured in the same run;
-6. host time of `plan` per step (decode and mixed).
+6. host time of `plan` per step (decode and mixed);
+7. a persistent batch of a real `BlockManager` (256 sequences, 4K contexts, decode steps):
+   attention planned with the CSR built on the device from the batch's table
+   (`plan(batch, table=...)`) must equal the host CSR's exactly, with the host time of both.
 
 Everything lands in one table; the exit status is 0 only when every check passes. Run:
 ``python benches/gpu_check.py`` (``--quick`` skips the 16K contexts and shortens loops;
@@ -36,7 +39,14 @@ from functools import partial
 import numpy as np
 import torch
 
-from pagedkv.attention import PagedAttention, TablePlan, plan_from_tables, random_tables
+from pagedkv import Batch, BlockManager
+from pagedkv.attention import (
+    DeviceBlockTable,
+    PagedAttention,
+    TablePlan,
+    plan_from_tables,
+    random_tables,
+)
 from pagedkv.kv_cache import KVCache
 
 HQ, HKV, DIM, BS = 32, 8, 128, 16
@@ -332,6 +342,40 @@ def bench_mixed_plan(backend: str) -> None:
     record("plan host", backend, f"mixed batch 64 ({sum(q)} query tokens)", f"{us:.0f} us", None)
 
 
+def check_persistent_batch(
+    backend: str, rows: int = 256, context: int = 4096, steps: int = 20, device: str = "cuda"
+) -> None:
+    """Decode steps of a manager's persistent batch: the device-built CSR against the host's."""
+    num_blocks = rows * math.ceil((context + steps) / BS) + 64
+    mgr = BlockManager(num_blocks, BS, enable_prefix_caching=False)
+    cache = random_cache(num_blocks, BS, HKV)
+    batch, table = Batch(), DeviceBlockTable(device)
+    rng = np.random.default_rng(5)
+    for seq in range(rows):
+        mgr.allocate(seq, rng.integers(0, 32_000, context, dtype=np.int32))
+        mgr.plan([seq], [context])
+        batch.add(seq)
+    on_host, on_device = attention(backend), attention(backend)
+    host_s, device_s, worst = [], [], 0.0
+    for step in range(steps):
+        mgr.step_batch(batch, np.full(rows, step, dtype=np.int32))
+        q = torch.randn(rows, HQ, DIM, device=device, dtype=DTYPE)
+        t0 = time.perf_counter()
+        on_host.plan(batch)
+        t1 = time.perf_counter()
+        on_device.plan(batch, table=table)
+        device_s.append(time.perf_counter() - t1)
+        host_s.append(t1 - t0)
+        diff = (on_host.run(q, cache, 0) - on_device.run(q, cache, 0)).abs().max()
+        worst = max(worst, float(diff))
+    value = (
+        f"plan host CSR {np.median(host_s) * 1e6:.0f} us, device CSR "
+        f"{np.median(device_s) * 1e6:.0f} us, max |diff| {worst:.1e}"
+    )
+    case = f"B={rows} ctx={context}, {steps} steps"
+    record("persistent", backend, case, value, worst == 0)
+
+
 def print_table() -> None:
     headers = ("check", "backend", "case", "result", "status")
     cells = [
@@ -378,6 +422,7 @@ def main() -> int:
             ("plan no-sync", partial(check_no_sync_in_plan, backend)),
             ("cuda graph", partial(check_cuda_graphs, backend)),
             ("plan host", partial(bench_mixed_plan, backend)),
+            ("persistent", partial(check_persistent_batch, backend)),
             ("decode bw", partial(bench_decode, backend, args.quick, copy_bw)),
         ]
         for name, step in steps:

@@ -195,3 +195,76 @@ def test_a_batch_plans_attention_like_a_plan() -> None:
     attn = PagedAttention(2, 1, 8, 4, backend="torch", dtype=torch.float32)
     attn.plan(batch)
     assert attn.graph_batch_size is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_from_the_device_table_equals_the_host_csr(backend: str) -> None:
+    # Decode steps of a persistent batch, attended with the CSR built on the device from the
+    # table (plan(batch, table=...)) and with the host CSR (plan(batch)): the same outputs.
+    from pagedkv.attention import PagedAttention
+    from pagedkv.kv_cache import KVCache
+
+    bs, hkv, group, dim = 4, 2, 2, 16
+    mgr = BlockManager(64, bs, hash_key=KEY)
+    cache = KVCache(1, 64, bs, hkv, dim, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    cache.layer(0).copy_(torch.randn(cache.layer(0).shape, generator=gen))
+    batch, table = Batch(), DeviceBlockTable("cpu")
+    attn = PagedAttention(hkv * group, hkv, dim, bs, backend=backend, dtype=torch.float32)
+    for seq_id, length in ((1, 9), (2, 3), (3, 14)):
+        admitted(mgr, seq_id, list(range(length)))
+        batch.add(seq_id)
+    for step in range(6):
+        if step == 3:
+            batch.remove(2)  # row 3 moves into row 1
+        mgr.step_batch(batch, [step] * len(batch))
+        q = torch.randn(len(batch), hkv * group, dim, generator=gen)
+        attn.plan(batch, table=table)
+        on_device = attn.run(q, cache, 0)
+        attn.plan(batch)
+        on_host = attn.run(q, cache, 0)
+        torch.testing.assert_close(on_device, on_host, rtol=0, atol=0)
+
+
+def test_attention_table_errors() -> None:
+    from pagedkv.attention import PagedAttention
+
+    mgr = BlockManager(16, 4, hash_key=KEY)
+    attn = PagedAttention(2, 1, 8, 4, backend="torch", dtype=torch.float32)
+    plan = mgr.plan([admitted(mgr, 1, [1, 2, 3])], [3])
+    with pytest.raises(TypeError, match=r"needs a pagedkv\.Batch"):
+        attn.plan(plan, table=DeviceBlockTable("cpu"))
+    batch = Batch()
+    with pytest.raises(ValueError, match="empty batch"):
+        attn.plan(batch, table=DeviceBlockTable("cpu"))
+    with pytest.raises(ValueError, match="DeviceBlockTable is on meta"):
+        attn.plan(batch, table=DeviceBlockTable("meta"))
+
+
+def test_graph_buckets_take_the_device_csr() -> None:
+    # A decode step padded into a CUDA-graph bucket (Triton's fixed buffers; the interpreter
+    # on CPU): the device CSR is padded on the device and copied into the bucket.
+    from pagedkv.attention import PagedAttention
+    from pagedkv.kv_cache import KVCache
+
+    bs, hkv, hq, dim = 4, 2, 4, 16
+    mgr = BlockManager(64, bs, hash_key=KEY)
+    cache = KVCache(1, 64, bs, hkv, dim, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    cache.layer(0).copy_(torch.randn(cache.layer(0).shape, generator=gen))
+    graphed = PagedAttention(
+        hq, hkv, dim, bs, backend="triton", dtype=torch.float32,
+        cuda_graph_batch_sizes=(4,), cuda_graph_max_pages=64,
+    )  # fmt: skip
+    eager = PagedAttention(hq, hkv, dim, bs, backend="triton", dtype=torch.float32)
+    batch, table = Batch(), DeviceBlockTable("cpu")
+    for seq_id, length in ((1, 5), (2, 11), (3, 2)):
+        admitted(mgr, seq_id, list(range(length)))
+        batch.add(seq_id)
+    mgr.step_batch(batch, [7, 7, 7])
+    graphed.plan(batch, table=table)
+    assert graphed.graph_batch_size == 4
+    q = torch.randn(3, hq, dim, generator=gen)
+    out = graphed.run(torch.cat([q, torch.zeros(1, hq, dim)]), cache, 0)
+    eager.plan(batch)
+    torch.testing.assert_close(out[:3], eager.run(q, cache, 0), atol=1e-6, rtol=1e-6)

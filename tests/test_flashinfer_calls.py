@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import pagedkv.attention._flashinfer as fi_backend
-from pagedkv.attention import PagedAttention, plan_from_tables
+from pagedkv import Batch, BlockManager
+from pagedkv.attention import DeviceBlockTable, PagedAttention, plan_from_tables
 from pagedkv.kv_cache import KVCache
 
 
@@ -117,6 +118,33 @@ def test_plan_is_non_blocking_from_the_staging_buffer(recorded: list[Any], mode:
     # The next step stages into the other buffer, so this step's arrays stay intact.
     step(attn, q_lens)
     assert indptr.tolist() == [0, 3, 5, 6]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_persistent_batch_hands_over_its_device_csr(recorded: list[Any], graph: bool) -> None:
+    # plan(batch, table=...): FlashInfer gets the pages built on the device from the table
+    # (nothing of them staged on the host), the row arrays from the staging buffer as usual.
+    kwargs: dict[str, Any] = {"cuda_graph_batch_sizes": (4,), "cuda_graph_max_pages": 32}
+    attn = attention(**(kwargs if graph else {}))
+    mgr = BlockManager(32, 4, hash_key=bytes(32))
+    batch, table = Batch(), DeviceBlockTable("cpu")
+    for seq_id, length in ((1, 9), (2, 3)):
+        mgr.allocate(seq_id, list(range(length)))
+        mgr.plan([seq_id], [length])
+        batch.add(seq_id)
+    mgr.step_batch(batch, [5, 5])
+    staging = attn._impl._staging  # type: ignore[attr-defined]
+    attn.plan(batch, table=table)
+    ((_, _, args, _),) = [c for c in recorded if c[1] == "plan"]
+    indptr, indices, last = args[:3]
+    expected = batch.kv_indices.tolist() + ([0, 0] if graph else [])
+    assert indices.tolist() == expected
+    assert indices.untyped_storage().data_ptr() != (
+        staging._dev[staging._turn].untyped_storage().data_ptr()
+    )
+    assert indptr.tolist()[:3] == batch.kv_indptr.tolist()
+    assert last.tolist()[:2] == batch.kv_last_page_len.tolist()
+    assert staging._staged == indptr.shape[0] + last.shape[0]  # no pages staged
 
 
 def test_graph_buckets_get_fixed_buffer_wrappers(recorded: list[Any]) -> None:

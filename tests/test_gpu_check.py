@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.attention import StepPlan
+from pagedkv.attention import PagedAttention, StepPlan
+from pagedkv.kv_cache import KVCache
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,25 @@ def test_table_and_exit_status(
     if not torch.cuda.is_available():
         monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--quick"])
         assert gpu_check.main() == 2
+
+
+def test_persistent_batch_check_runs_on_the_cpu(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The check's own logic, scaled down, on the CPU with the torch reference.
+    def cpu_cache(num_blocks: int, bs: int, hkv: int) -> KVCache:
+        cache = KVCache(1, num_blocks, bs, hkv, gpu_check.DIM, dtype=torch.float32)
+        cache.layer(0).normal_()
+        return cache
+
+    def cpu_attention(backend: str) -> PagedAttention:
+        hq, hkv, dim, bs = gpu_check.HQ, gpu_check.HKV, gpu_check.DIM, gpu_check.BS
+        return PagedAttention(hq, hkv, dim, bs, backend, dtype=torch.float32)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gpu_check, "ROWS", [])
+    monkeypatch.setattr(gpu_check, "DTYPE", torch.float32)
+    monkeypatch.setattr(gpu_check, "random_cache", cpu_cache)
+    monkeypatch.setattr(gpu_check, "attention", cpu_attention)
+    gpu_check.check_persistent_batch("torch", rows=3, context=40, steps=20, device="cpu")
+    (row,) = gpu_check.ROWS
+    assert row.check == "persistent" and row.ok, row

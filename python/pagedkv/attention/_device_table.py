@@ -11,6 +11,8 @@ with torch ops whose sizes are known on the host (no device sync).
     table.sync(batch)
     kv_indptr = torch.from_numpy(batch.kv_indptr).to(device)
     kv_indices = table.kv_indices(kv_indptr, nnz=int(batch.kv_indptr[-1]))
+
+`PagedAttention.plan(batch, table=table)` does this for its backends.
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ class DeviceBlockTable:
     def __init__(self, device: torch.device | str) -> None:
         self._device = torch.device(device)
         self._table: torch.Tensor | None = None
+        self._max_block_id = -1
+
+    @property
+    def device(self) -> torch.device:
+        """Where the table lives."""
+        return self._device
+
+    @property
+    def max_block_id(self) -> int:
+        """The largest block id the table has held since its last full copy (-1: none), known
+        on the host: what `PagedAttention` checks against the cache's size."""
+        return self._max_block_id
 
     @property
     def table(self) -> torch.Tensor:
@@ -50,6 +64,7 @@ class DeviceBlockTable:
             return
         if index.size == 0:
             return
+        self._max_block_id = max(self._max_block_id, int(blocks.max()))
         # A position may repeat in the log; its last write wins.
         last = index.size - 1 - np.unique(index[::-1], return_index=True)[1]
         index_dev = torch.from_numpy(index[last]).to(self._device, non_blocking=True)
@@ -60,9 +75,11 @@ class DeviceBlockTable:
         """Copy the whole table into a fresh device tensor with spare rows (-1)."""
         capacity = max(2 * rows, 16)
         table = torch.full((capacity, width), -1, dtype=torch.int32, device=self._device)
-        if rows and width:
-            table[:rows].copy_(torch.from_numpy(batch.block_table))
+        host = batch.block_table
+        if host.size:
+            table[:rows].copy_(torch.from_numpy(host))
         self._table = table
+        self._max_block_id = int(host.max()) if host.size else -1
 
     def kv_indices(self, kv_indptr: torch.Tensor, nnz: int) -> torch.Tensor:
         """`[nnz]` int32 CSR pages: row `r`'s first `kv_indptr[r + 1] - kv_indptr[r]` entries,

@@ -105,11 +105,14 @@ class FlashInferBackend:
         With `graph`, `step` is a decode step already padded to a bucket size.
         """
         spec = self._spec
+        pages = step.device_kv_indices
+        host_pages = (step.kv_indices,) if pages is None else ()
         if step.is_decode:
-            indptr, last, indices_host = self._staging.stage(
-                (step.kv_indptr, step.kv_last_page_len, step.kv_indices)
+            indptr, last, *indices_host = self._staging.stage(
+                (step.kv_indptr, step.kv_last_page_len, *host_pages)
             )
-            indices = self._staging.upload((indptr, last, indices_host))[2]
+            uploaded = self._staging.upload((indptr, last, *indices_host))
+            indices = uploaded[2] if pages is None else pages
             wrapper = self._graph_wrapper(step.batch_size) if graph else self._decode
             wrapper.plan(
                 indptr,
@@ -122,10 +125,11 @@ class FlashInferBackend:
                 **self._common_kwargs(),
             )
         else:
-            qo, indptr, last, indices_host = self._staging.stage(
-                (step.qo_indptr, step.kv_indptr, step.kv_last_page_len, step.kv_indices)
+            qo, indptr, last, *indices_host = self._staging.stage(
+                (step.qo_indptr, step.kv_indptr, step.kv_last_page_len, *host_pages)
             )
-            indices = self._staging.upload((qo, indptr, last, indices_host))[3]
+            uploaded = self._staging.upload((qo, indptr, last, *indices_host))
+            indices = uploaded[3] if pages is None else pages
             wrapper = self._prefill
             wrapper.plan(
                 qo,

@@ -8,7 +8,9 @@ from typing import Literal, Protocol
 
 import torch
 
+from pagedkv._core import Batch
 from pagedkv._device import resolve_device
+from pagedkv.attention._device_table import DeviceBlockTable
 from pagedkv.attention._flashinfer import DEFAULT_WORKSPACE_BYTES, FlashInferBackend
 from pagedkv.attention._plan import PlanLike, StepPlan
 from pagedkv.attention._reference import TorchReference
@@ -163,9 +165,18 @@ class PagedAttention:
         """
         return self._graph_batch
 
-    def plan(self, plan: PlanLike) -> None:
-        """Validate this step's plan and prepare every layer's `run`; call once per step."""
-        step = StepPlan.from_plan(plan, self.spec.block_size)
+    def plan(self, plan: PlanLike, *, table: DeviceBlockTable | None = None) -> None:
+        """Validate this step's plan and prepare every layer's `run`; call once per step.
+
+        With `table`, `plan` must be a `pagedkv.Batch`: the table is synced from the batch's
+        update log and the CSR pages are built from it on the device, so the host handles only
+        the row arrays (no `kv_indices`). The table must live on this attention's device and
+        follow this batch alone.
+        """
+        if table is None:
+            step = StepPlan.from_plan(plan, self.spec.block_size)
+        else:
+            step = self._step_from_table(plan, table)
         bucket = self._bucket(step)
         if bucket is not None:
             step = step.padded_to(bucket)
@@ -174,15 +185,30 @@ class PagedAttention:
         self._graph_batch = bucket
         self._checked_cache = None
 
+    def _step_from_table(self, plan: PlanLike, table: DeviceBlockTable) -> StepPlan:
+        """The step of a persistent batch with its CSR pages built on the device by `table`."""
+        if not isinstance(plan, Batch):
+            raise TypeError(f"plan(..., table=) needs a pagedkv.Batch, got {type(plan).__name__}")
+        if table.device != self.spec.device:
+            raise ValueError(
+                f"the DeviceBlockTable is on {table.device}, this PagedAttention on "
+                f"{self.spec.device}"
+            )
+        table.sync(plan)
+        kv_indptr = plan.kv_indptr
+        if kv_indptr.shape[0] < 2:
+            raise ValueError("plan has an empty batch")
+        indptr = torch.from_numpy(kv_indptr).to(table.device, non_blocking=True)
+        pages = table.kv_indices(indptr, int(kv_indptr[-1]))
+        return StepPlan.from_device_csr(plan, self.spec.block_size, pages, table.max_block_id)
+
     def _bucket(self, step: StepPlan) -> int | None:
         """The graph batch size that takes `step`, or None to run it eagerly."""
         if not step.is_decode:
             return None
         bucket = next((s for s in self._graph_sizes if s >= step.batch_size), None)
         # Each padding sequence takes one page.
-        if bucket is None or step.kv_indices.shape[0] + bucket - step.batch_size > (
-            self._graph_max_pages
-        ):
+        if bucket is None or step.nnz + bucket - step.batch_size > (self._graph_max_pages):
             return None
         return bucket
 

@@ -3,7 +3,9 @@
 `BlockManager.plan` / `step` return a `Plan` of numpy int32 arrays. `StepPlan.from_plan` checks
 those arrays once per step (vectorised numpy, no per-sequence Python loop) and derives the
 per-sequence query and KV lengths that both backends need, so the FlashInfer path and the torch
-reference see exactly the same, already validated, inputs.
+reference see exactly the same, already validated, inputs. `StepPlan.from_device_csr` does the
+same for a persistent batch whose CSR pages were built on the device (`DeviceBlockTable`): only
+the row arrays are checked on the host.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from pagedkv.kv_cache import check_block_size
 
@@ -79,6 +82,14 @@ class StepPlan:
     max_q_len: int
     max_kv_len: int
     max_block_id: int
+    device_kv_indices: torch.Tensor | None = None
+    """The `[nnz]` pages already on the attention device (a persistent batch's CSR built by
+    `DeviceBlockTable`); `kv_indices` is then empty and unused."""
+
+    @property
+    def nnz(self) -> int:
+        """Pages of the whole batch."""
+        return int(self.kv_indptr[-1])
 
     @property
     def batch_size(self) -> int:
@@ -110,10 +121,14 @@ class StepPlan:
         def grow(a: IntArray, tail: npt.NDArray[Any]) -> IntArray:
             return np.concatenate([a, tail.astype(np.int32)])
 
+        device = self.device_kv_indices
+        if device is not None:
+            device = torch.cat([device, device.new_zeros(pad)])
         return replace(
             self,
             kv_indptr=grow(self.kv_indptr, nnz + np.cumsum(ones)),
-            kv_indices=grow(self.kv_indices, 0 * ones),
+            kv_indices=self.kv_indices if device is not None else grow(self.kv_indices, 0 * ones),
+            device_kv_indices=device,
             kv_last_page_len=grow(self.kv_last_page_len, ones),
             qo_indptr=grow(self.qo_indptr, self.batch_size + np.cumsum(ones)),
             q_lens=np.concatenate([self.q_lens, ones]),
@@ -123,9 +138,29 @@ class StepPlan:
     @classmethod
     def from_plan(cls, plan: PlanLike, block_size: int) -> StepPlan:
         """Validate `plan` against `block_size`; raise `ValueError` naming the first problem."""
+        kv_indices = _int32_vector("kv_indices", plan.kv_indices)
+        step = cls._rows(plan, block_size, kv_indices, nnz=kv_indices.shape[0])
+        if kv_indices.shape[0] and int(kv_indices.min()) < 0:
+            raise ValueError("plan.kv_indices holds a negative block id")
+        return replace(step, max_block_id=int(kv_indices.max()))
+
+    @classmethod
+    def from_device_csr(
+        cls, plan: PlanLike, block_size: int, kv_indices: torch.Tensor, max_block_id: int
+    ) -> StepPlan:
+        """The step of `plan`'s row arrays whose `[nnz]` CSR pages are already on the device
+        (`kv_indices`, int32), with `max_block_id` the largest block they may hold."""
+        if kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
+            raise ValueError("device kv_indices must be a 1-D int32 tensor")
+        empty = np.zeros(0, dtype=np.int32)
+        step = cls._rows(plan, block_size, empty, nnz=kv_indices.shape[0])
+        return replace(step, device_kv_indices=kv_indices, max_block_id=max_block_id)
+
+    @classmethod
+    def _rows(cls, plan: PlanLike, block_size: int, kv_indices: IntArray, nnz: int) -> StepPlan:
+        """Validate everything of `plan` but its page ids, for a CSR of `nnz` pages."""
         check_block_size(plan, block_size, "this PagedAttention")
         kv_indptr = _int32_vector("kv_indptr", plan.kv_indptr)
-        kv_indices = _int32_vector("kv_indices", plan.kv_indices)
         last = _int32_vector("kv_last_page_len", plan.kv_last_page_len)
         qo_indptr = _int32_vector("qo_indptr", plan.qo_indptr)
 
@@ -148,15 +183,12 @@ class StepPlan:
             raise ValueError("plan.kv_indptr: every sequence needs at least one page")
         if (q_lens < 1).any():
             raise ValueError("plan.qo_indptr: every sequence needs at least one query token")
-        if int(kv_indptr[-1]) != kv_indices.shape[0]:
+        if int(kv_indptr[-1]) != nnz:
             raise ValueError(
-                f"plan.kv_indptr[-1] = {int(kv_indptr[-1])} but plan.kv_indices has "
-                f"{kv_indices.shape[0]} entries"
+                f"plan.kv_indptr[-1] = {int(kv_indptr[-1])} but plan.kv_indices has {nnz} entries"
             )
         if ((last < 1) | (last > block_size)).any():
             raise ValueError(f"plan.kv_last_page_len must lie in [1, block_size={block_size}]")
-        if int(kv_indices.min()) < 0:
-            raise ValueError("plan.kv_indices holds a negative block id")
         kv_lens = (num_pages - 1) * block_size + last.astype(np.int64)
         if (kv_lens < q_lens).any():
             b = int(np.argmax(kv_lens < q_lens))
@@ -174,5 +206,5 @@ class StepPlan:
             block_size=block_size,
             max_q_len=int(q_lens.max()),
             max_kv_len=int(kv_lens.max()),
-            max_block_id=int(kv_indices.max()),
+            max_block_id=-1,
         )

@@ -21,7 +21,10 @@ class _Gather:
     def __init__(self, step: StepPlan, device: torch.device) -> None:
         bs = step.block_size
         indptr = torch.from_numpy(step.kv_indptr).to(torch.int64)
-        indices = torch.from_numpy(step.kv_indices).to(torch.int64)
+        if step.device_kv_indices is None:
+            indices = torch.from_numpy(step.kv_indices).to(torch.int64)
+        else:  # the reference gathers on the host: a copy back, fine for a check
+            indices = step.device_kv_indices.to("cpu", torch.int64)
         kv_lens = torch.from_numpy(step.kv_lens)
         q_lens = torch.from_numpy(step.q_lens)
         qo_indptr = torch.from_numpy(step.qo_indptr).to(torch.int64)

@@ -129,18 +129,27 @@ class TritonBackend:
             if bufs is None:
                 bufs = _GraphBuffers(self._spec, step.batch_size, self._graph_max_pages)
                 self._graphs[step.batch_size] = bufs
-            host = self._staging.stage((step.kv_indptr, kv_lens, step.kv_indices))
             dst = bufs.step
-            for h, d in zip(host, (dst.kv_indptr, dst.kv_lens, dst.kv_indices), strict=True):
+            pairs = [(step.kv_indptr, dst.kv_indptr), (kv_lens, dst.kv_lens)]
+            pages = step.device_kv_indices
+            if pages is None:
+                pairs.append((step.kv_indices, dst.kv_indices))
+            else:
+                dst.kv_indices[: step.nnz].copy_(pages)
+            host = self._staging.stage([array for array, _ in pairs])
+            for h, (_, d) in zip(host, pairs, strict=True):
                 d[: h.shape[0]].copy_(h, non_blocking=True)
             self._step = dst
         else:
             block_m = BLOCK_M_DECODE if step.is_decode else self._block_m_prefill
             seq, row = tiles(step.q_lens, self._spec.group_size, block_m)
-            arrays = (step.qo_indptr, step.kv_indptr, step.kv_indices, kv_lens, seq, row)
-            qo, indptr, indices, lens, tseq, trow = self._staging.upload(
+            pages = step.device_kv_indices
+            host_pages = (step.kv_indices,) if pages is None else ()
+            arrays = (step.qo_indptr, step.kv_indptr, kv_lens, seq, row, *host_pages)
+            qo, indptr, lens, tseq, trow, *uploaded = self._staging.upload(
                 self._staging.stage(arrays)
             )
+            indices = uploaded[0] if pages is None else pages
             self._step = _DeviceStep(qo, indptr, indices, lens, tseq, trow, block_m)
         self._staging.finish()
 
