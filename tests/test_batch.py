@@ -112,14 +112,14 @@ def test_an_empty_batch_steps_to_empty_inputs() -> None:
     assert batch.block_table.shape == (0, 0) and batch.kv_indices.size == 0
 
 
-def run_random_batch(seed: int, device: torch.device) -> None:
+def run_random_batch(seed: int, device: torch.device, triton: bool | None = None) -> None:
     """Random admissions, decode steps, removals and frees through one batch and the one-shot
     `step` on a twin manager; the device table, synced from the update log alone, must equal
     the host table, and its CSR the step's."""
     rng = np.random.default_rng(seed)
     mgrs = [BlockManager(96, 4, hash_key=KEY) for _ in range(2)]
     batch = Batch()
-    table = DeviceBlockTable(device)
+    table = DeviceBlockTable(device, triton=triton)
     order: list[int] = []  # the rows, as the one-shot step sees them
     next_id = 0
     for _ in range(300):
@@ -168,9 +168,29 @@ def test_device_table_follows_the_batch_on_cpu(seed: int) -> None:
     run_random_batch(seed, torch.device("cpu"))
 
 
+def test_the_csr_kernel_equals_the_torch_ops() -> None:
+    # The Triton kernel (in the interpreter on the CPU) against the torch ops, on rows of 0 to
+    # 300 pages (more than one kernel block) in a wide table.
+    rng = np.random.default_rng(0)
+    pages = np.array([1, 300, 7, 129, 128, 2], dtype=np.int32)
+    table = torch.full((8, 512), -1, dtype=torch.int32)
+    for r, n in enumerate(pages):
+        table[r, :n] = torch.from_numpy(rng.integers(0, 10_000, n, dtype=np.int32))
+    indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
+    results = []
+    for triton in (True, False):
+        device_table = DeviceBlockTable("cpu", triton=triton)
+        device_table._table = table  # as a sync would leave it
+        results.append(device_table.kv_indices(indptr, int(indptr[-1])))
+    assert torch.equal(results[0], results[1])
+    expected = torch.cat([table[r, :n] for r, n in enumerate(pages)])
+    assert torch.equal(results[0], expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_device_table_follows_the_batch_on_cuda() -> None:
-    run_random_batch(0, torch.device("cuda"))
+@pytest.mark.parametrize("triton", [True, False])
+def test_device_table_follows_the_batch_on_cuda(triton: bool) -> None:
+    run_random_batch(0, torch.device("cuda"), triton)
 
 
 def test_device_table_needs_a_sync_first() -> None:

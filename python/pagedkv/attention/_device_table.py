@@ -3,8 +3,9 @@
 A persistent batch writes only the table entries that changed in a step (a new block every
 `block_size` steps per row, a row that joins, leaves or moves) and logs them. `DeviceBlockTable`
 applies that log as one small scatter, so the host uploads `O(changes)` ints per step instead of
-the whole CSR, and `kv_indices` builds FlashInfer's `kv_indices` from the table on the device,
-with torch ops whose sizes are known on the host (no device sync).
+the whole CSR, and `kv_indices` builds FlashInfer's `kv_indices` from the table on the device:
+one Triton launch (`_csr_kernel`) on CUDA, torch ops elsewhere; either way the sizes are known
+on the host, so nothing syncs the device.
 
     table = DeviceBlockTable(torch.device("cuda"))
     mgr.step_batch(batch, tokens)
@@ -17,19 +18,30 @@ with torch ops whose sizes are known on the host (no device sync).
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import numpy as np
 import torch
 
 from pagedkv._core import Batch
 
+# Table entries a program of the CSR kernel copies per loop step.
+CSR_BLOCK = 128
+
 
 class DeviceBlockTable:
-    """A device copy of one batch's `[rows, width]` int32 block table (padded with -1)."""
+    """A device copy of one batch's `[rows, width]` int32 block table (padded with -1).
 
-    def __init__(self, device: torch.device | str) -> None:
+    `triton` picks how `kv_indices` builds the CSR: Triton's kernel (True), torch ops (False),
+    or the kernel on CUDA when Triton imports and torch ops otherwise (None, the default).
+    """
+
+    def __init__(self, device: torch.device | str, *, triton: bool | None = None) -> None:
         self._device = torch.device(device)
         self._table: torch.Tensor | None = None
         self._max_block_id = -1
+        self._kernel = _csr_kernel(self._device, triton)
 
     @property
     def device(self) -> torch.device:
@@ -83,10 +95,30 @@ class DeviceBlockTable:
 
     def kv_indices(self, kv_indptr: torch.Tensor, nnz: int) -> torch.Tensor:
         """`[nnz]` int32 CSR pages: row `r`'s first `kv_indptr[r + 1] - kv_indptr[r]` entries,
-        concatenated. `kv_indptr` is the batch's `[B + 1]` offsets, on this device; `nnz` its
-        last value, known on the host."""
+        concatenated. `kv_indptr` is the batch's `[B + 1]` int32 offsets, on this device; `nnz`
+        its last value, known on the host."""
+        table = self.table
+        if self._kernel is not None:
+            out = torch.empty(nnz, dtype=torch.int32, device=self._device)
+            batch = kv_indptr.shape[0] - 1
+            if batch and nnz:
+                self._kernel[(batch,)](table, table.shape[1], kv_indptr, out, BLOCK=CSR_BLOCK)
+            return out
         pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
         rows = torch.arange(pages.shape[0], device=self._device)
         row_of = torch.repeat_interleave(rows, pages, output_size=nnz)
         col = torch.arange(nnz, device=self._device) - kv_indptr[:-1].to(torch.int64)[row_of]
-        return self.table[row_of, col]
+        return table[row_of, col]
+
+
+def _csr_kernel(device: torch.device, triton: bool | None) -> Any:
+    """The Triton CSR kernel to launch, or None for torch ops (see `DeviceBlockTable`)."""
+    if triton is False or (triton is None and device.type != "cuda"):
+        return None
+    try:
+        module = importlib.import_module("pagedkv.attention._csr_kernel")
+    except ImportError:
+        if triton:
+            raise
+        return None
+    return module.csr_from_table_kernel
