@@ -70,6 +70,9 @@ def test_rows_move_on_removal() -> None:
     batch.take_updates()
     batch.remove(1)
     assert batch.seq_ids.tolist() == [3, 2]
+    # The last step's inputs described three rows: gone until the next step.
+    assert batch.kv_indptr.tolist() == [0] and batch.kv_indices.size == 0
+    assert batch.block_size == 4
     mgr.step_batch(batch, [0, 0])
     assert batch.kv_indices.tolist() == [
         *mgr.block_table(3).tolist(),

@@ -45,7 +45,8 @@ class Plan:
 class Batch:
     """A decode batch that persists across steps: `BlockManager.step_batch` appends one token
     per row and writes only the table entries that changed. Its arrays are copies of the last
-    step's inputs (row order); `kv_indices` is built from the table on each access."""
+    step's inputs (row order); `kv_indices` is built from the table on each access. One thread
+    at a time: using a batch while `step_batch` runs on it raises RuntimeError."""
 
     def __init__(self) -> None: ...
     def add(self, seq_id: int) -> None: ...

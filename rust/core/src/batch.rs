@@ -27,8 +27,8 @@ const PAD: i32 = -1;
 /// logs them in [`Batch::updates`], so a device copy of the table stays in sync with a scatter
 /// of a few entries per step.
 ///
-/// The input arrays describe the last step and are stale once rows are added or removed,
-/// until the next step.
+/// The input arrays describe the last step; adding or removing a row empties them until the
+/// next step.
 #[derive(Debug, Default)]
 pub struct Batch {
     ids: Vec<SeqId>,
@@ -115,6 +115,7 @@ impl Batch {
         if let Some(shards) = &mut self.shards {
             *shards |= shard_bit(seq);
         }
+        self.inputs.clear();
         Ok(())
     }
 
@@ -148,6 +149,7 @@ impl Batch {
         self.rows.pop();
         self.table.truncate(self.ids.len() * self.width);
         self.shards = None;
+        self.inputs.clear();
         Ok(())
     }
 
@@ -158,9 +160,8 @@ impl Batch {
         self.row_of.clear();
         self.table.clear();
         self.shards = Some(0);
-        self.updates.full = true;
-        self.updates.index.clear();
-        self.updates.blocks.clear();
+        self.log_full();
+        self.inputs.clear();
     }
 
     /// Columns of the block table.
@@ -187,7 +188,8 @@ impl Batch {
     }
 
     /// The last step's attention inputs, as a [`Plan`] whose `kv_indices` is empty (derive it
-    /// from the table: [`Batch::write_kv_indices`]). One query token per row.
+    /// from the table: [`Batch::write_kv_indices`]). One query token per row; empty after a
+    /// row was added or removed, until the next step.
     pub fn inputs(&self) -> &Plan {
         &self.inputs
     }
@@ -384,6 +386,30 @@ mod tests {
         assert!(batch.remove(1).is_err());
         batch.remove(2).unwrap();
         assert_eq!(batch.seqs(), &[3]);
+    }
+
+    #[test]
+    fn changing_rows_empties_the_inputs() {
+        let mut batch = Batch::new();
+        batch.add(1).unwrap();
+        batch.add(2).unwrap();
+        batch.fit(1).unwrap();
+        batch.begin(BlockSize::new(4));
+        for row in 0..2 {
+            batch.sync_row(row, &[row as BlockId], 1);
+            batch.push_inputs(&[row as BlockId], 2, BlockSize::new(4));
+        }
+        let mut pages = Vec::new();
+        batch.write_kv_indices(&mut pages);
+        assert_eq!(pages, vec![0, 1]);
+        batch.remove(1).unwrap();
+        // Two rows of inputs over a one-row table would read past it: they are gone instead.
+        assert_eq!(batch.inputs().kv_indptr, vec![0]);
+        assert_eq!(batch.inputs().block_size, 4);
+        batch.write_kv_indices(&mut pages);
+        assert!(pages.is_empty());
+        batch.add(3).unwrap();
+        assert!(batch.inputs().positions.is_empty());
     }
 
     #[test]

@@ -86,6 +86,7 @@ impl Plan {
         num_query_tokens: usize,
         bs: BlockSize,
     ) {
+        self.clear();
         for (buffer, len) in [
             (&mut self.kv_indptr, batch_size + 1),
             (&mut self.kv_indices, nnz),
@@ -93,14 +94,27 @@ impl Plan {
             (&mut self.qo_indptr, batch_size + 1),
             (&mut self.slot_mapping, num_query_tokens),
             (&mut self.positions, num_query_tokens),
-            (&mut self.copies, 0),
+        ] {
+            buffer.reserve(len);
+        }
+        self.block_size = bs.get() as u32;
+    }
+
+    /// Empties the plan to a batch of no sequences, keeping its block size.
+    pub(crate) fn clear(&mut self) {
+        for buffer in [
+            &mut self.kv_indptr,
+            &mut self.kv_indices,
+            &mut self.kv_last_page_len,
+            &mut self.qo_indptr,
+            &mut self.slot_mapping,
+            &mut self.positions,
+            &mut self.copies,
         ] {
             buffer.clear();
-            buffer.reserve(len);
         }
         self.kv_indptr.push(0);
         self.qo_indptr.push(0);
-        self.block_size = bs.get() as u32;
     }
 
     /// Adds the next sequence: `kv_len` tokens in `table`, the last `query_len` of them new.
