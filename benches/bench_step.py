@@ -1,12 +1,13 @@
 """Continuous-batching decode loop: pagedkv.BlockManager against a pure-Python block manager.
 
-Both managers serve the same seeded, ShareGPT-like trace in the same run: admission with a
-prefix lookup (can_allocate, then allocate, then the prefill's plan), one decode token per
-running sequence per step via step() (which builds the attention plan), preemption by
-recomputation when a step runs out of blocks, and free on finish. The timed region is the
-step() call alone; total loop time is reported too. The semantics are deterministic, so both
-runs must make identical decisions: the bench asserts equal prefix-hit counts, step counts
-and plan digests.
+Three runs serve the same seeded, ShareGPT-like trace: pagedkv decoding through a persistent
+`Batch` (`step_batch`), pagedkv's one-shot `step()` (which builds the whole attention plan),
+and the pure-Python manager's `step()`. Each does admission with a prefix lookup
+(can_allocate, then allocate, then the prefill's plan), one decode token per running sequence
+per step, preemption by recomputation when a step runs out of blocks, and free on finish. The
+timed region is the step call alone; total loop time is reported too. The semantics are
+deterministic, so all runs must make identical decisions: the bench asserts equal prefix-hit
+counts, step counts and plan shapes, and equal physical blocks for the two `step()` runs.
 
     python benches/bench_step.py                 # 1000 requests
     python benches/bench_step.py --quick         # CI smoke run

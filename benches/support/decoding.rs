@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::tokens::Tokens;
+use crate::BLOCK_SIZE;
 use pagedkv::{Batch, BlockManager, Plan, SeqId, Token};
 
 /// Sequences in the batch.
@@ -39,11 +40,11 @@ impl Decoding {
     /// Blocks the batch holds at most: a manager with twice as many keeps freed blocks cached
     /// (so steps evict, as in a serving steady state).
     pub fn blocks() -> u32 {
-        let per_seq = (PROMPT + MAX_STEPS).div_ceil(16) as u32 + 1;
+        let per_seq = (PROMPT + MAX_STEPS).div_ceil(BLOCK_SIZE as usize) as u32 + 1;
         BATCH as u32 * per_seq
     }
 
-    /// A prefilled batch on `mgr` (block size 16).
+    /// A prefilled batch on `mgr` (of the bench's `BLOCK_SIZE`).
     pub fn new(mgr: Arc<BlockManager>) -> Decoding {
         let mut decoding = Decoding {
             mgr,

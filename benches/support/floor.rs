@@ -4,11 +4,12 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use crate::decoding::{Decoding, BATCH, MAX_STEPS};
+use crate::BLOCK_SIZE;
 use pagedkv::Token;
 
 /// The least memory traffic of a decode step, in the layout a manager needs anyway: each
 /// sequence's tokens and block table in allocations of their own, one token appended and the
-/// last block read per sequence, a new block recorded for one sequence in 16, and the four
+/// last block read per sequence, a new block recorded every `BLOCK_SIZE` tokens, and the four
 /// per-sequence arrays of the attention inputs written. No bookkeeping, hashing or locking.
 pub struct Floor {
     tokens: Vec<Vec<Token>>,
@@ -69,21 +70,22 @@ impl Floor {
     }
 
     fn step(&mut self, token: Token) {
+        let bs = BLOCK_SIZE as usize;
         for input in &mut self.inputs {
             input.clear();
         }
         for (tokens, table) in self.tokens.iter_mut().zip(&mut self.tables) {
             tokens.push(black_box(token));
             let len = tokens.len();
-            if len % 16 == 1 {
+            if len % bs == 1 {
                 table.push(len as u32);
             }
             let last = *table.last().unwrap() as i32;
             let [positions, slots, pages, last_len] = &mut self.inputs;
             positions.push(len as i32 - 1);
-            slots.push(last * 16 + ((len - 1) % 16) as i32);
+            slots.push(last * bs as i32 + ((len - 1) % bs) as i32);
             pages.push(table.len() as i32);
-            last_len.push(((len - 1) % 16) as i32 + 1);
+            last_len.push(((len - 1) % bs) as i32 + 1);
         }
         black_box(&self.inputs);
     }

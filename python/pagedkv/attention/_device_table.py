@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedkv._core import Batch
+from pagedkv._device import resolve_device, upload_ints
 
 # Table entries a program of the CSR kernel copies per loop step.
 CSR_BLOCK = 128
@@ -38,7 +39,7 @@ class DeviceBlockTable:
     """
 
     def __init__(self, device: torch.device | str, *, triton: bool | None = None) -> None:
-        self._device = torch.device(device)
+        self._device = resolve_device(device)
         self._table: torch.Tensor | None = None
         self._max_block_id = -1
         self._kernel = _csr_kernel(self._device, triton)
@@ -79,9 +80,8 @@ class DeviceBlockTable:
         self._max_block_id = max(self._max_block_id, int(blocks.max()))
         # A position may repeat in the log; its last write wins.
         last = index.size - 1 - np.unique(index[::-1], return_index=True)[1]
-        index_dev = torch.from_numpy(index[last]).to(self._device, non_blocking=True)
-        blocks_dev = torch.from_numpy(blocks[last]).to(self._device, non_blocking=True)
-        table.view(-1).index_copy_(0, index_dev, blocks_dev)
+        index_dev = upload_ints(index[last], self._device)
+        table.view(-1).index_copy_(0, index_dev, upload_ints(blocks[last], self._device))
 
     def _upload(self, batch: Batch, rows: int, width: int) -> None:
         """Copy the whole table into a fresh device tensor with spare rows (-1)."""
@@ -89,7 +89,7 @@ class DeviceBlockTable:
         table = torch.full((capacity, width), -1, dtype=torch.int32, device=self._device)
         host = batch.block_table
         if host.size:
-            table[:rows].copy_(torch.from_numpy(host))
+            table[:rows].copy_(upload_ints(host, self._device))
         self._table = table
         self._max_block_id = int(host.max()) if host.size else -1
 

@@ -9,7 +9,7 @@ from typing import Literal, Protocol
 import torch
 
 from pagedkv._core import Batch
-from pagedkv._device import resolve_device
+from pagedkv._device import resolve_device, upload_ints
 from pagedkv.attention._device_table import DeviceBlockTable
 from pagedkv.attention._flashinfer import DEFAULT_WORKSPACE_BYTES, FlashInferBackend
 from pagedkv.attention._plan import PlanLike, StepPlan
@@ -196,10 +196,7 @@ class PagedAttention:
             )
         table.sync(plan)
         kv_indptr = plan.kv_indptr
-        if kv_indptr.shape[0] < 2:
-            raise ValueError("plan has an empty batch")
-        indptr = torch.from_numpy(kv_indptr).to(table.device, non_blocking=True)
-        pages = table.kv_indices(indptr, int(kv_indptr[-1]))
+        pages = table.kv_indices(upload_ints(kv_indptr, table.device), int(kv_indptr[-1]))
         return StepPlan.from_device_csr(plan, self.spec.block_size, pages, table.max_block_id)
 
     def _bucket(self, step: StepPlan) -> int | None:

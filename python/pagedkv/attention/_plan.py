@@ -10,6 +10,7 @@ the row arrays are checked on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -139,10 +140,13 @@ class StepPlan:
     def from_plan(cls, plan: PlanLike, block_size: int) -> StepPlan:
         """Validate `plan` against `block_size`; raise `ValueError` naming the first problem."""
         kv_indices = _int32_vector("kv_indices", plan.kv_indices)
-        step = cls._rows(plan, block_size, kv_indices, nnz=kv_indices.shape[0])
-        if kv_indices.shape[0] and int(kv_indices.min()) < 0:
-            raise ValueError("plan.kv_indices holds a negative block id")
-        return replace(step, max_block_id=int(kv_indices.max()))
+
+        def max_block_id() -> int:
+            if int(kv_indices.min()) < 0:
+                raise ValueError("plan.kv_indices holds a negative block id")
+            return int(kv_indices.max())
+
+        return cls._validated(plan, block_size, kv_indices, kv_indices.shape[0], max_block_id)
 
     @classmethod
     def from_device_csr(
@@ -153,13 +157,21 @@ class StepPlan:
         if kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
             raise ValueError("device kv_indices must be a 1-D int32 tensor")
         empty = np.zeros(0, dtype=np.int32)
-        step = cls._rows(plan, block_size, empty, nnz=kv_indices.shape[0])
-        return replace(step, device_kv_indices=kv_indices, max_block_id=max_block_id)
+        nnz = kv_indices.shape[0]
+        return cls._validated(plan, block_size, empty, nnz, lambda: max_block_id, kv_indices)
 
     @classmethod
-    def _rows(cls, plan: PlanLike, block_size: int, kv_indices: IntArray, nnz: int) -> StepPlan:
-        """Validate everything of `plan` but its page ids, for a CSR of `nnz` pages."""
-        check_block_size(plan, block_size, "this PagedAttention")
+    def _validated(
+        cls,
+        plan: PlanLike,
+        block_size: int,
+        kv_indices: IntArray,
+        nnz: int,
+        max_block_id: Callable[[], int],
+        device_kv_indices: torch.Tensor | None = None,
+    ) -> StepPlan:
+        """The step of `plan`, for a CSR of `nnz` pages: every row array is checked here, the
+        page ids by `max_block_id` (called once the rows are valid)."""
         kv_indptr = _int32_vector("kv_indptr", plan.kv_indptr)
         last = _int32_vector("kv_last_page_len", plan.kv_last_page_len)
         qo_indptr = _int32_vector("qo_indptr", plan.qo_indptr)
@@ -167,6 +179,7 @@ class StepPlan:
         batch = last.shape[0]
         if batch == 0:
             raise ValueError("plan has an empty batch")
+        check_block_size(plan, block_size, "this PagedAttention")
         if kv_indptr.shape[0] != batch + 1:
             raise ValueError(
                 f"plan.kv_indptr has {kv_indptr.shape[0]} entries, expected batch + 1 = {batch + 1}"
@@ -206,5 +219,6 @@ class StepPlan:
             block_size=block_size,
             max_q_len=int(q_lens.max()),
             max_kv_len=int(kv_lens.max()),
-            max_block_id=-1,
+            max_block_id=max_block_id(),
+            device_kv_indices=device_kv_indices,
         )

@@ -29,7 +29,7 @@ const PAD: i32 = -1;
 ///
 /// The input arrays describe the last step; adding or removing a row empties them until the
 /// next step.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Batch {
     ids: Vec<SeqId>,
     rows: Vec<Row>,
@@ -41,8 +41,6 @@ pub struct Batch {
     table: Vec<i32>,
     updates: TableUpdates,
     pub(crate) inputs: Plan,
-    /// Scratch: where each row's sequence was found in this step.
-    pub(crate) members: Vec<Member>,
 }
 
 /// What a batch knows of a row's sequence since its last step.
@@ -71,10 +69,27 @@ pub struct TableUpdates {
     pub blocks: Vec<i32>,
 }
 
+impl Default for Batch {
+    fn default() -> Batch {
+        Batch::new()
+    }
+}
+
 impl Batch {
-    /// An empty batch.
+    /// An empty batch; its inputs are those of an empty step (`kv_indptr == [0]`).
     pub fn new() -> Batch {
-        Batch::default()
+        let mut inputs = Plan::new();
+        inputs.clear();
+        Batch {
+            ids: Vec::new(),
+            rows: Vec::new(),
+            row_of: HashMap::new(),
+            shards: Some(0),
+            width: 0,
+            table: Vec::new(),
+            updates: TableUpdates::default(),
+            inputs,
+        }
     }
 
     /// Number of rows.
@@ -219,7 +234,7 @@ impl Batch {
             .get_or_insert_with(|| self.ids.iter().fold(0, |mask, &id| mask | shard_bit(id)))
     }
 
-    /// Where row `row`'s sequence was last found.
+    /// Where row `row`'s sequence was last found (by this step, once it visited the row).
     pub(crate) fn member_hint(&self, row: usize) -> Option<Member> {
         self.rows[row].member
     }

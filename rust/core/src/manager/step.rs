@@ -241,10 +241,10 @@ trait DecodeRows {
     const CALL: &'static str;
     /// The sequence of each row.
     fn seqs(&self) -> &[SeqId];
-    /// Where row `row`'s sequence was found before, if known.
+    /// Where row `row`'s sequence was found last (this step, once visited), if known.
     fn hint(&self, row: usize) -> Option<Member>;
-    /// Where this step found each row's sequence, in row order.
-    fn members(&mut self) -> &mut Vec<Member>;
+    /// Records where this step found row `row`'s sequence (rows come in order, from 0).
+    fn remember(&mut self, row: usize, member: Member);
     /// Locks the shards of every row's sequence.
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m>;
     /// Makes room for rows of up to `pages` blocks, before anything changes.
@@ -268,16 +268,13 @@ trait DecodeRows {
         row: usize,
         stamp: u64,
     ) -> Result<Member, Error> {
-        if row == 0 {
-            self.members().clear();
-        }
         let member = visit_hinted(batch, self.id(row), self.hint(row), stamp, false)?;
-        self.members().push(member);
+        self.remember(row, member);
         Ok(member)
     }
     /// Where [`DecodeRows::visit`] found row `row`'s sequence.
-    fn member(&mut self, row: usize) -> Member {
-        self.members()[row]
+    fn member(&self, row: usize) -> Member {
+        self.hint(row).expect("the row was visited")
     }
 }
 
@@ -293,11 +290,11 @@ impl DecodeRows for Listed<'_> {
     fn seqs(&self) -> &[SeqId] {
         self.seqs
     }
-    fn hint(&self, _row: usize) -> Option<Member> {
-        None
+    fn hint(&self, row: usize) -> Option<Member> {
+        self.members.get(row).copied()
     }
-    fn members(&mut self) -> &mut Vec<Member> {
-        &mut self.members
+    fn remember(&mut self, _row: usize, member: Member) {
+        self.members.push(member);
     }
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m> {
         seqs.lock(self.seqs)
@@ -324,8 +321,8 @@ impl DecodeRows for Batch {
     fn hint(&self, row: usize) -> Option<Member> {
         self.member_hint(row)
     }
-    fn members(&mut self) -> &mut Vec<Member> {
-        &mut self.members
+    fn remember(&mut self, row: usize, member: Member) {
+        self.found(row, member);
     }
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m> {
         seqs.lock_shards(self.shards())
@@ -337,8 +334,6 @@ impl DecodeRows for Batch {
         Batch::begin(self, bs);
     }
     fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize) {
-        let member = self.members[row];
-        self.found(row, member);
         self.sync_row(row, &s.table, s.epoch);
         self.push_inputs(&s.table, s.tokens.len(), bs);
         hand_over_copies(s, &mut self.inputs);

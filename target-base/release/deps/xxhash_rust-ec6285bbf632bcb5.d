@@ -1,0 +1,12 @@
+/work/main/target-base/release/deps/xxhash_rust-ec6285bbf632bcb5.d: /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/lib.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/utils.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh32_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh64_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh3_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh3.rs
+
+/work/main/target-base/release/deps/libxxhash_rust-ec6285bbf632bcb5.rlib: /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/lib.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/utils.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh32_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh64_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh3_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh3.rs
+
+/work/main/target-base/release/deps/libxxhash_rust-ec6285bbf632bcb5.rmeta: /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/lib.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/utils.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh32_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh64_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh3_common.rs /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh3.rs
+
+/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/lib.rs:
+/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/utils.rs:
+/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh32_common.rs:
+/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh64_common.rs:
+/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh3_common.rs:
+/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/xxhash-rust-0.8.21/src/xxh3.rs:
