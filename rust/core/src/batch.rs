@@ -52,6 +52,10 @@ struct Row {
     epoch: u64,
     /// Entries of the row that hold blocks; the rest are -1.
     pages: usize,
+    /// The last block of the row.
+    tail: BlockId,
+    /// Tokens of the sequence as of the last step.
+    len: usize,
 }
 
 /// The table entries written since the log was last cleared: flat positions `row * width +
@@ -270,13 +274,32 @@ impl Batch {
         Ok(())
     }
 
-    /// Makes row `row` mirror `blocks`, a table of version `epoch`: only new entries when the
-    /// row already mirrors that version, else the whole row.
-    pub(crate) fn sync_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64) {
+    /// Makes row `row` mirror `blocks`, a table of version `epoch` for `len` tokens: only new
+    /// entries when the row already mirrors that version, else the whole row.
+    #[inline]
+    pub(crate) fn sync_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64, len: usize) {
+        debug_assert!(blocks.len() <= self.width, "fit() widened the table");
+        let tail = *blocks.last().expect("a sequence has a block");
+        let r = &mut self.rows[row];
+        r.len = len;
+        r.tail = tail;
+        // A decode step's usual cases: the same blocks, or one more at the end.
+        if r.epoch == epoch && r.pages <= blocks.len() && blocks.len() <= r.pages + 1 {
+            if r.pages < blocks.len() {
+                r.pages += 1;
+                self.set(row, blocks.len() - 1, tail as i32);
+            }
+            return;
+        }
+        self.sync_whole_row(row, blocks, epoch);
+    }
+
+    /// [`Batch::sync_row`] when more than the last entry may have changed.
+    #[inline(never)]
+    fn sync_whole_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64) {
         let Row {
             epoch: seen, pages, ..
         } = self.rows[row];
-        debug_assert!(blocks.len() <= self.width, "fit() widened the table");
         let from = if seen == epoch {
             pages.min(blocks.len())
         } else {
@@ -293,6 +316,7 @@ impl Batch {
     }
 
     /// Writes one entry, logging it if it changed.
+    #[inline]
     fn set(&mut self, row: usize, col: usize, value: i32) {
         let at = row * self.width + col;
         if self.table[at] == value {
@@ -316,27 +340,39 @@ impl Batch {
         self.updates.blocks.clear();
     }
 
-    /// Begins a step's inputs for the batch, with blocks of `bs` tokens.
-    pub(crate) fn begin(&mut self, bs: BlockSize) {
-        let n = self.ids.len();
-        self.inputs.begin(n, 0, n, bs);
-    }
-
-    /// Adds row `row`'s inputs: `len` tokens in its sequence's `blocks`, the last one new.
-    pub(crate) fn push_inputs(&mut self, blocks: &[BlockId], len: usize, bs: BlockSize) {
+    /// Writes the step's attention inputs from the rows (their lengths and last blocks), with
+    /// blocks of `bs` tokens; the copies were handed over row by row.
+    pub(crate) fn write_inputs(&mut self, bs: BlockSize) {
+        let n = self.rows.len();
         let inputs = &mut self.inputs;
-        let pages = blocks.len();
-        let nnz = inputs.kv_indptr.last().copied().unwrap_or(0);
-        inputs.kv_indptr.push(nnz + pages as i32);
-        inputs
-            .kv_last_page_len
-            .push((len - (pages - 1) * bs.get()) as i32);
-        inputs.qo_indptr.push(inputs.positions.len() as i32 + 1);
-        let p = len - 1;
-        inputs.positions.push(p as i32);
-        inputs
-            .slot_mapping
-            .push((blocks[bs.index(p)] as usize * bs.get() + bs.offset(p)) as i32);
+        inputs.block_size = bs.get() as u32;
+        inputs.kv_indices.clear();
+        for (array, len) in [
+            (&mut inputs.kv_indptr, n + 1),
+            (&mut inputs.qo_indptr, n + 1),
+            (&mut inputs.kv_last_page_len, n),
+            (&mut inputs.positions, n),
+            (&mut inputs.slot_mapping, n),
+        ] {
+            array.resize(len, 0);
+        }
+        let mut nnz = 0;
+        let ends = inputs.kv_indptr[1..]
+            .iter_mut()
+            .zip(&mut inputs.kv_last_page_len);
+        let tokens = inputs.positions.iter_mut().zip(&mut inputs.slot_mapping);
+        for (row, ((end, last), (position, slot))) in self.rows.iter().zip(ends.zip(tokens)) {
+            let p = row.len - 1;
+            let offset = bs.offset(p);
+            nnz += row.pages as i32;
+            *end = nnz;
+            *last = offset as i32 + 1;
+            *position = p as i32;
+            *slot = (row.tail as usize * bs.get() + offset) as i32;
+        }
+        for (q, i) in inputs.qo_indptr.iter_mut().zip(0..) {
+            *q = i;
+        }
     }
 }
 
@@ -362,18 +398,18 @@ mod tests {
         assert_eq!(batch.width(), MIN_WIDTH);
         assert!(batch.updates().full);
         batch.clear_updates();
-        batch.sync_row(0, &[4, 5], 1);
-        batch.sync_row(1, &[8], 1);
+        batch.sync_row(0, &[4, 5], 1, 1);
+        batch.sync_row(1, &[8], 1, 1);
         assert_eq!(batch.updates().index, vec![0, 1, 16]);
         batch.clear_updates();
         // Same version, one more block: one entry.
-        batch.sync_row(0, &[4, 5, 6], 1);
+        batch.sync_row(0, &[4, 5, 6], 1, 1);
         assert_eq!(batch.updates().index, vec![2]);
         assert_eq!(batch.updates().blocks, vec![6]);
         batch.clear_updates();
         // A new version (a copy on write, or another sequence): the whole row, only the entries
         // that differ logged, and the shorter row padded.
-        batch.sync_row(0, &[4, 3], 2);
+        batch.sync_row(0, &[4, 3], 2, 1);
         assert_eq!(batch.updates().index, vec![1, 2]);
         assert_eq!(batch.updates().blocks, vec![3, -1]);
         assert_eq!(&entries(&batch)[0][..4], &[4, 3, -1, -1]);
@@ -386,9 +422,9 @@ mod tests {
             batch.add(seq).unwrap();
         }
         batch.fit(4).unwrap();
-        batch.sync_row(0, &[1, 1, 1], 1);
-        batch.sync_row(1, &[2], 1);
-        batch.sync_row(2, &[3, 3], 1);
+        batch.sync_row(0, &[1, 1, 1], 1, 1);
+        batch.sync_row(1, &[2], 1, 1);
+        batch.sync_row(2, &[3, 3], 1, 1);
         batch.clear_updates();
         batch.remove(1).unwrap();
         assert_eq!(batch.seqs(), &[3, 2]);
@@ -409,11 +445,10 @@ mod tests {
         batch.add(1).unwrap();
         batch.add(2).unwrap();
         batch.fit(1).unwrap();
-        batch.begin(BlockSize::new(4));
         for row in 0..2 {
-            batch.sync_row(row, &[row as BlockId], 1);
-            batch.push_inputs(&[row as BlockId], 2, BlockSize::new(4));
+            batch.sync_row(row, &[row as BlockId], 1, 2);
         }
+        batch.write_inputs(BlockSize::new(4));
         let mut pages = Vec::new();
         batch.write_kv_indices(&mut pages);
         assert_eq!(pages, vec![0, 1]);
@@ -433,8 +468,8 @@ mod tests {
         batch.add(1).unwrap();
         batch.add(2).unwrap();
         batch.fit(2).unwrap();
-        batch.sync_row(0, &[5, 6], 1);
-        batch.sync_row(1, &[7], 1);
+        batch.sync_row(0, &[5, 6], 1, 1);
+        batch.sync_row(1, &[7], 1, 1);
         batch.fit(40).unwrap();
         assert_eq!(batch.width(), 64);
         let rows = entries(&batch);

@@ -41,6 +41,11 @@ impl Lru {
         self.len += 1;
     }
 
+    /// Number of blocks in the list.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     /// Removes and returns the least recently released block.
     pub(crate) fn pop_front(&mut self) -> Option<BlockId> {
         let block = self.head;

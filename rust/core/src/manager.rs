@@ -210,8 +210,10 @@ impl BlockManager {
             })
     }
 
-    /// Takes a block reserved by the caller, unregistering it if it was evicted.
-    fn take_fresh(&self) -> BlockId {
+    /// Takes a block reserved by the caller, unregistering it if it was evicted; evictions are
+    /// added to `evictions`, for the caller to count once per operation
+    /// ([`BlockManager::count_evictions`]).
+    fn take_fresh(&self, evictions: &mut u64) -> BlockId {
         let (block, evicted) = self.gpu.take_reserved();
         if evicted {
             if let Some(prefix) = &self.prefix {
@@ -223,9 +225,16 @@ impl BlockManager {
                     })
                 });
             }
-            Counters::add(&self.counters.evictions, 1);
+            *evictions += 1;
         }
         block
+    }
+
+    /// Counts the evictions of one operation (one atomic addition, not one per block).
+    fn count_evictions(&self, evictions: u64) {
+        if evictions > 0 {
+            Counters::add(&self.counters.evictions, evictions);
+        }
     }
 
     /// Releases the GPU block table of `len` tokens, last block first.
@@ -304,24 +313,28 @@ fn visit(
     stamp: u64,
     swapped: bool,
 ) -> Result<Member, Error> {
-    visit_hinted(batch, id, None, stamp, swapped)
+    visit_hinted(batch, id, None, Some(stamp), swapped)
 }
 
-/// [`visit`], looking where `hint` says first.
+/// [`visit`], looking where `hint` says first; without a `stamp` (a batch whose members are
+/// distinct by construction) repeats are not checked.
 #[inline]
 fn visit_hinted(
     batch: &mut LockedBatch<'_>,
     id: SeqId,
     hint: Option<Member>,
-    stamp: u64,
+    stamp: Option<u64>,
     swapped: bool,
 ) -> Result<Member, Error> {
     let member = batch
         .find_hinted(id, hint)
         .ok_or(Error::UnknownSequence(id))?;
     let s = batch.at(member);
-    if s.stamp == stamp {
-        return Err(invalid(format!("sequence {id} appears twice in the batch")));
+    if let Some(stamp) = stamp {
+        if s.stamp == stamp {
+            return Err(invalid(format!("sequence {id} appears twice in the batch")));
+        }
+        s.stamp = stamp;
     }
     if s.swapped != swapped {
         return Err(if s.swapped {
@@ -330,7 +343,6 @@ fn visit_hinted(
             Error::NotSwappedOut(id)
         });
     }
-    s.stamp = stamp;
     Ok(member)
 }
 

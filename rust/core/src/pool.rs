@@ -32,6 +32,8 @@ pub(crate) struct BlockPool {
     states: Box<[AtomicU64]>,
     free: FreeList,
     lru: Mutex<Lru>,
+    /// The LRU's length, stored under its lock (a plain store, not a locked read-modify-write)
+    /// for lock-free readers.
     num_cached: AtomicUsize,
     available: AtomicUsize,
     stored_tokens: AtomicUsize,
@@ -147,7 +149,7 @@ impl BlockPool {
             }
             let mut lru = lock(&self.lru);
             if let Some(block) = lru.pop_front() {
-                self.num_cached.fetch_sub(1, Ordering::Relaxed);
+                self.num_cached.store(lru.len(), Ordering::Relaxed);
                 // CACHED states change only under this lock, so a plain store is exact.
                 let state = &self.states[block as usize];
                 let old = BlockState(state.load(Ordering::Relaxed));
@@ -206,7 +208,7 @@ impl BlockPool {
             return None;
         }
         lru.remove(block);
-        self.num_cached.fetch_sub(1, Ordering::Relaxed);
+        self.num_cached.store(lru.len(), Ordering::Relaxed);
         // A read-modify-write, not a store: it continues the release sequence headed by
         // `mark_hashed`, on which lookups that read the revived state rely. Refcount 0 -> 1.
         state.fetch_add(1, Ordering::Relaxed);
@@ -265,7 +267,7 @@ impl BlockPool {
                     continue;
                 }
                 lru.push_back(block);
-                self.num_cached.fetch_add(1, Ordering::Relaxed);
+                self.num_cached.store(lru.len(), Ordering::Relaxed);
                 drop(lru);
                 self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
                 // Release, after the LRU push: pairs with `reserve`'s Acquire.
@@ -292,9 +294,9 @@ impl BlockPool {
             self.states[block as usize].fetch_and(not_hashed, Ordering::Relaxed);
         }
         while let Some(block) = lru.pop_front() {
-            self.num_cached.fetch_sub(1, Ordering::Relaxed);
             self.free.push(block);
         }
+        self.num_cached.store(0, Ordering::Relaxed);
     }
 
     /// The pool's whole state; exact only while no other thread uses the pool.

@@ -52,10 +52,14 @@ const SECRET: usize = 192;
 /// Tokens a map key hashes from a stack buffer; longer blocks stream.
 const INLINE_TOKENS: usize = 64;
 
-/// What a lookup verifies of a block's registration: `[key_lo, key_hi, parent_key_lo,
-/// parent_key_hi]`, half a cache line.
-#[repr(C, align(32))]
-struct Registration([AtomicU64; 4]);
+/// A block's registration in one cache line: what a lookup verifies (`[key_lo, key_hi,
+/// parent_key_lo, parent_key_hi]`), then the BLAKE3 chaining value a hit reads next, so a
+/// registration writes, and a hit reads, one line for both.
+#[repr(C, align(64))]
+struct Registration {
+    verified: [AtomicU64; 4],
+    chain: [AtomicU64; 4],
+}
 
 /// An empty hint slot.
 const NO_BLOCK: BlockId = BlockId::MAX;
@@ -94,9 +98,6 @@ pub(crate) struct PrefixCache {
     shards: Box<[Mutex<Shard>]>,
     /// Per block: its registration.
     meta: Box<[Registration]>,
-    /// Per block: the BLAKE3 chaining value of its registration, apart from what lookups
-    /// verify (read only by hits, events and audits).
-    chains: Box<[[AtomicU64; 4]]>,
     /// Per block: its `block_size` tokens at registration.
     tokens: Box<[AtomicU32]>,
     /// A lock-free first probe: slot `key mod len` holds the block last registered under a key
@@ -206,10 +207,10 @@ impl PrefixCache {
             unsalted_root: root_of(&key, None),
             block_size: block_size as usize,
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            meta: try_boxed(n, |_| {
-                Registration(std::array::from_fn(|_| AtomicU64::new(0)))
+            meta: try_boxed(n, |_| Registration {
+                verified: std::array::from_fn(|_| AtomicU64::new(0)),
+                chain: std::array::from_fn(|_| AtomicU64::new(0)),
             })?,
-            chains: try_boxed(n, |_| std::array::from_fn(|_| AtomicU64::new(0)))?,
             tokens: try_boxed(n * block_size as usize, |_| AtomicU32::new(0))?,
             hints: try_boxed((2 * n).next_power_of_two(), |_| AtomicU32::new(NO_BLOCK))?,
         })
@@ -358,7 +359,7 @@ impl PrefixCache {
     }
 
     fn meta(&self, block: BlockId) -> &[AtomicU64; 4] {
-        &self.meta[block as usize].0
+        &self.meta[block as usize].verified
     }
 
     /// Whether `block`'s registered contents are exactly `(key, parent, tokens)`.
@@ -391,7 +392,10 @@ impl PrefixCache {
     /// The BLAKE3 chaining value `block` was registered with.
     pub(crate) fn chain_of(&self, block: BlockId) -> Chain {
         let mut chain = [0u8; 32];
-        for (dst, word) in chain.chunks_exact_mut(8).zip(&self.chains[block as usize]) {
+        for (dst, word) in chain
+            .chunks_exact_mut(8)
+            .zip(&self.meta[block as usize].chain)
+        {
             dst.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
         }
         chain
@@ -427,7 +431,8 @@ impl PrefixCache {
         {
             slot.store(value, Ordering::Relaxed);
         }
-        for (slot, word) in self.chains[block as usize]
+        for (slot, word) in self.meta[block as usize]
+            .chain
             .iter()
             .zip(chain.chunks_exact(8))
         {

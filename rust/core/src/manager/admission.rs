@@ -88,10 +88,12 @@ impl BlockManager {
                 self.gpu.unreserve(needed - used);
                 continue;
             }
+            let mut evictions = 0;
             while table.len() < pages {
-                table.push(self.take_fresh());
+                table.push(self.take_fresh(&mut evictions));
                 used += 1;
             }
+            self.count_evictions(evictions);
             self.gpu.unreserve(needed - used);
             break (one, table);
         };

@@ -6,12 +6,12 @@ use crate::batch::Batch;
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::manager::{
-    check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager,
+    check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager, MAX_TOKENS,
 };
 use crate::plan::Plan;
 use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap};
 use crate::stats::Counters;
-use crate::{Error, SeqId, Token};
+use crate::{BlockId, Error, SeqId, Token};
 
 impl BlockManager {
     /// Appends tokens to a running sequence, copying a shared last block on write. The tokens'
@@ -30,8 +30,10 @@ impl BlockManager {
         self.settle(self.auto_commit(s));
         let needed = self.blocks_to_append(s, tokens.len());
         self.reserve_gpu(needed)?;
-        let used = self.append_reserved(s, tokens);
-        self.gpu.unreserve(needed - used);
+        let mut taken = Taken::default();
+        self.append_reserved(s, tokens, &mut taken);
+        self.count_evictions(taken.evictions);
+        self.gpu.unreserve(needed - taken.blocks);
         self.gpu.add_stored(tokens.len());
         Counters::add(&self.counters.pending_tokens, tokens.len() as u64);
         Ok(())
@@ -72,20 +74,20 @@ impl BlockManager {
     fn decode<R: DecodeRows>(&self, rows: &mut R, tokens: &[Token]) -> Result<(), Error> {
         let n = rows.len();
         one_each(R::CALL, n, tokens.len(), "tokens")?;
-        let stamp = self.next_stamp();
+        let stamp = (!R::DISTINCT).then(|| self.next_stamp());
         let mut batch = rows.lock(&self.seqs);
         let (mut needed, mut copying, mut nnz, mut widest) = (0, false, 0, 0);
         for row in 0..n {
             let member = rows.visit(&mut batch, row, stamp)?;
             let s = batch.at(member);
-            let id = rows.id(row);
-            not_loading(id, s)?;
-            check_room(s.tokens.len(), 1)?;
-            no_gap(id, s, s.tokens.len())?;
-            let pages = self.bs.pages(s.tokens.len() + 1);
+            decodable(rows.id(row), s)?;
+            // A sequence's table has exactly the pages of its tokens, so the token takes a new
+            // block exactly when the last one is full.
+            let new_block = usize::from(self.bs.offset(s.tokens.len()) == 0);
+            let pages = s.table.len() + new_block;
             nnz += pages;
             widest = widest.max(pages);
-            needed += self.blocks_to_append(s, 1);
+            needed += new_block + usize::from(self.must_copy_tail(s));
             copying |= !s.copying.is_empty();
         }
         // Members with copies in flight are committed first: a completed copy releases its
@@ -108,15 +110,17 @@ impl BlockManager {
         rows.fit(widest)?;
         self.reserve_gpu(needed)?;
         rows.begin(nnz, self.bs);
-        let (mut used, mut computed) = (0, 0);
+        let (mut taken, mut computed) = (Taken::default(), 0);
         for (row, &token) in tokens.iter().enumerate() {
             let s = batch.at(rows.member(row));
             computed += self.auto_commit(s);
-            used += self.append_reserved(s, &[token]);
+            self.append_token(s, token, &mut taken);
             rows.push(row, s, self.bs);
         }
+        rows.finish(self.bs);
         self.settle(computed);
-        self.gpu.unreserve(needed - used);
+        self.count_evictions(taken.evictions);
+        self.gpu.unreserve(needed - taken.blocks);
         self.gpu.add_stored(n);
         Counters::add(&self.counters.pending_tokens, n as u64);
         Ok(())
@@ -170,6 +174,7 @@ impl BlockManager {
 
     /// Whether the last block is partial and shared (by another sequence, or as the source of
     /// a copy not yet done), so writing to it needs a private copy.
+    #[inline]
     fn must_copy_tail(&self, s: &Sequence) -> bool {
         s.shared_tail
             && self.bs.offset(s.tokens.len()) != 0
@@ -180,65 +185,117 @@ impl BlockManager {
                 > 1
     }
 
-    /// Appends with blocks already reserved; returns how many it took. The caller counts the
-    /// appended tokens into the pool's stored tokens (once per batch).
-    fn append_reserved(&self, s: &mut Sequence, tokens: &[Token]) -> usize {
-        let bs = self.bs;
-        let len = s.tokens.len();
-        let mut used = 0;
+    /// Appends with blocks already reserved, counting those it takes into `taken`. The caller
+    /// counts the appended tokens into the pool's stored tokens (once per batch).
+    fn append_reserved(&self, s: &mut Sequence, tokens: &[Token], taken: &mut Taken) {
+        self.unshare_tail(s, taken);
+        s.tokens.extend_from_slice(tokens);
+        let pages = self.bs.pages(s.tokens.len());
+        while s.table.len() < pages {
+            s.table.push(self.take(taken));
+        }
+    }
+
+    /// [`BlockManager::append_reserved`] of a decode step's single token.
+    #[inline]
+    fn append_token(&self, s: &mut Sequence, token: Token, taken: &mut Taken) {
+        self.unshare_tail(s, taken);
+        let full = self.bs.offset(s.tokens.len()) == 0;
+        s.tokens.push(token);
+        if full {
+            s.table.push(self.take(taken));
+        }
+    }
+
+    /// Before an append: copies the last block if it must be (a reserved block), and makes the
+    /// tail private either way.
+    #[inline]
+    fn unshare_tail(&self, s: &mut Sequence, taken: &mut Taken) {
+        if !s.shared_tail {
+            return;
+        }
         // A partial block gains holders only through forks and swaps of sequences holding it,
-        // so one this sequence held alone in `blocks_to_append` is still private here: a copy
-        // is never taken without a reserved block.
+        // so one this sequence held alone when the blocks were counted is still private here:
+        // a copy is never taken without a reserved block.
         if self.must_copy_tail(s) {
-            let last = s.table.last_mut().expect("a sequence has a block");
-            let src = *last;
-            let dst = self.take_fresh();
-            used += 1;
-            let fill = bs.offset(len) as u32;
-            // The sequence's reference to `src` now belongs to the copy, until it is done.
-            s.copies.push(PendingCopy {
-                src,
-                dst,
-                fill,
-                until: 0,
-            });
-            *last = dst;
-            s.table_changed();
-            self.gpu.add_stored(fill as usize);
+            self.copy_tail(s, taken);
         }
         s.shared_tail = false;
-        match tokens {
-            // A decode step's single token, without a call to copy one element.
-            &[token] => s.tokens.push(token),
-            _ => s.tokens.extend_from_slice(tokens),
-        }
-        let pages = bs.pages(s.tokens.len());
-        while s.table.len() < pages {
-            s.table.push(self.take_fresh());
-            used += 1;
-        }
-        used
     }
+
+    /// Replaces the shared partial last block by a fresh (reserved) block that a copy will fill;
+    /// the sequence's reference to the old block now belongs to the copy, until it is done.
+    #[inline(never)]
+    fn copy_tail(&self, s: &mut Sequence, taken: &mut Taken) {
+        let fill = self.bs.offset(s.tokens.len()) as u32;
+        let dst = self.take(taken);
+        let last = s.table.last_mut().expect("a sequence has a block");
+        let src = *last;
+        s.copies.push(PendingCopy {
+            src,
+            dst,
+            fill,
+            until: 0,
+        });
+        *last = dst;
+        s.table_changed();
+        self.gpu.add_stored(fill as usize);
+    }
+
+    /// Takes one reserved block for an append.
+    #[inline]
+    fn take(&self, taken: &mut Taken) -> BlockId {
+        taken.blocks += 1;
+        self.take_fresh(&mut taken.evictions)
+    }
+}
+
+/// The reserved blocks an operation took, and how many of them it evicted from the cache.
+#[derive(Default)]
+struct Taken {
+    blocks: usize,
+    evictions: u64,
+}
+
+/// Fails unless the sequence can take a decode token: `append`'s checks, and no unplanned
+/// tokens before the query.
+#[inline]
+fn decodable(id: SeqId, s: &Sequence) -> Result<(), Error> {
+    let len = s.tokens.len();
+    if s.loading.is_none() && len < MAX_TOKENS && len <= s.planned {
+        return Ok(());
+    }
+    not_loading(id, s)?;
+    check_room(len, 1)?;
+    no_gap(id, s, len)
 }
 
 /// Moves the sequence's recorded copies into the plan that computes its KV up to its end, and
 /// marks its tokens planned.
+#[inline]
 fn hand_over_copies(s: &mut Sequence, plan: &mut Plan) {
-    let len = s.tokens.len();
     if !s.copies.is_empty() {
-        for mut copy in s.copies.drain(..) {
-            plan.push_copy(copy.src, copy.dst);
-            copy.until = len;
-            s.copying.push(copy);
-        }
+        hand_over_recorded(s, plan);
     }
-    s.planned = len;
+    s.planned = s.tokens.len();
+}
+
+#[inline(never)]
+fn hand_over_recorded(s: &mut Sequence, plan: &mut Plan) {
+    let len = s.tokens.len();
+    for mut copy in s.copies.drain(..) {
+        plan.push_copy(copy.src, copy.dst);
+        copy.until = len;
+        s.copying.push(copy);
+    }
 }
 
 /// The rows of a decode step: where their sequences are and where their inputs go.
 trait DecodeRows {
     /// The operation's name, for errors.
     const CALL: &'static str;
+    /// Whether the rows' sequences are distinct by construction (else repeats are checked).
+    const DISTINCT: bool;
     /// The sequence of each row.
     fn seqs(&self) -> &[SeqId];
     /// Where row `row`'s sequence was found last (this step, once visited), if known.
@@ -253,6 +310,8 @@ trait DecodeRows {
     fn begin(&mut self, nnz: usize, bs: BlockSize);
     /// Adds row `row`'s inputs after its append, and hands over its copies.
     fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
+    /// Completes the inputs once every row was pushed.
+    fn finish(&mut self, bs: BlockSize);
 
     fn len(&self) -> usize {
         self.seqs().len()
@@ -262,11 +321,12 @@ trait DecodeRows {
     }
     /// Finds and checks row `row`'s sequence (live, on the GPU, once in the batch) and
     /// remembers where it is; rows are visited in order, from 0.
+    #[inline]
     fn visit(
         &mut self,
         batch: &mut LockedBatch<'_>,
         row: usize,
-        stamp: u64,
+        stamp: Option<u64>,
     ) -> Result<Member, Error> {
         let member = visit_hinted(batch, self.id(row), self.hint(row), stamp, false)?;
         self.remember(row, member);
@@ -287,6 +347,7 @@ struct Listed<'a> {
 
 impl DecodeRows for Listed<'_> {
     const CALL: &'static str = "step";
+    const DISTINCT: bool = false;
     fn seqs(&self) -> &[SeqId] {
         self.seqs
     }
@@ -310,11 +371,13 @@ impl DecodeRows for Listed<'_> {
         self.plan.push(&s.table, s.tokens.len(), 1, bs);
         hand_over_copies(s, self.plan);
     }
+    fn finish(&mut self, _bs: BlockSize) {}
 }
 
 /// A persistent batch: the table rows change only where blocks changed.
 impl DecodeRows for Batch {
     const CALL: &'static str = "step_batch";
+    const DISTINCT: bool = true;
     fn seqs(&self) -> &[SeqId] {
         Batch::seqs(self)
     }
@@ -330,13 +393,16 @@ impl DecodeRows for Batch {
     fn fit(&mut self, pages: usize) -> Result<(), Error> {
         Batch::fit(self, pages)
     }
-    fn begin(&mut self, _nnz: usize, bs: BlockSize) {
-        Batch::begin(self, bs);
+    fn begin(&mut self, _nnz: usize, _bs: BlockSize) {
+        self.inputs.copies.clear();
     }
-    fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize) {
-        self.sync_row(row, &s.table, s.epoch);
-        self.push_inputs(&s.table, s.tokens.len(), bs);
+    #[inline]
+    fn push(&mut self, row: usize, s: &mut Sequence, _bs: BlockSize) {
+        self.sync_row(row, &s.table, s.epoch, s.tokens.len());
         hand_over_copies(s, &mut self.inputs);
+    }
+    fn finish(&mut self, bs: BlockSize) {
+        self.write_inputs(bs);
     }
 }
 

@@ -116,17 +116,19 @@ impl BlockManager {
                 needed: order.len(),
                 available,
             })?;
+        let mut evictions = 0;
         let pairs: Vec<[BlockId; 2]> = order
             .iter()
             .map(|&block| {
                 let target = if to_gpu {
-                    self.take_fresh()
+                    self.take_fresh(&mut evictions)
                 } else {
                     self.cpu.take_reserved().0
                 };
                 [block, target]
             })
             .collect();
+        self.count_evictions(evictions);
         let target_of: HashMap<BlockId, BlockId> = pairs.iter().map(|&[b, t]| (b, t)).collect();
         // Each target starts with one holder; every further reference adds one.
         let mut referenced = HashSet::with_capacity(pairs.len());
