@@ -279,16 +279,18 @@ impl Batch {
     #[inline]
     pub(crate) fn sync_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64, len: usize) {
         debug_assert!(blocks.len() <= self.width, "fit() widened the table");
-        let tail = *blocks.last().expect("a sequence has a block");
         let r = &mut self.rows[row];
         r.len = len;
-        r.tail = tail;
-        // A decode step's usual cases: the same blocks, or one more at the end.
-        if r.epoch == epoch && r.pages <= blocks.len() && blocks.len() <= r.pages + 1 {
-            if r.pages < blocks.len() {
-                r.pages += 1;
-                self.set(row, blocks.len() - 1, tail as i32);
-            }
+        // A decode step's usual cases, which read no entry the row already has: the same
+        // blocks, or one more at the end.
+        if r.epoch == epoch && r.pages == blocks.len() {
+            return;
+        }
+        if r.epoch == epoch && r.pages + 1 == blocks.len() {
+            let tail = blocks[r.pages];
+            r.tail = tail;
+            r.pages += 1;
+            self.set(row, blocks.len() - 1, tail as i32);
             return;
         }
         self.sync_whole_row(row, blocks, epoch);
@@ -300,6 +302,7 @@ impl Batch {
         let Row {
             epoch: seen, pages, ..
         } = self.rows[row];
+        self.rows[row].tail = *blocks.last().expect("a sequence has a block");
         let from = if seen == epoch {
             pages.min(blocks.len())
         } else {

@@ -313,19 +313,19 @@ fn visit(
     stamp: u64,
     swapped: bool,
 ) -> Result<Member, Error> {
-    visit_hinted(batch, id, None, Some(stamp), swapped)
+    visit_hinted(batch, id, None, Some(stamp), swapped).map(|(member, _)| member)
 }
 
-/// [`visit`], looking where `hint` says first; without a `stamp` (a batch whose members are
-/// distinct by construction) repeats are not checked.
-#[inline]
-fn visit_hinted(
-    batch: &mut LockedBatch<'_>,
+/// [`visit`], looking where `hint` says first, and handing out the sequence too; without a
+/// `stamp` (a batch whose members are distinct by construction) repeats are not checked.
+#[inline(always)]
+fn visit_hinted<'b>(
+    batch: &'b mut LockedBatch<'_>,
     id: SeqId,
     hint: Option<Member>,
     stamp: Option<u64>,
     swapped: bool,
-) -> Result<Member, Error> {
+) -> Result<(Member, &'b mut Sequence), Error> {
     let member = batch
         .find_hinted(id, hint)
         .ok_or(Error::UnknownSequence(id))?;
@@ -343,7 +343,7 @@ fn visit_hinted(
             Error::NotSwappedOut(id)
         });
     }
-    Ok(member)
+    Ok((member, s))
 }
 
 #[cfg(all(test, not(loom)))]

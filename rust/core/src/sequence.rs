@@ -170,11 +170,13 @@ impl Shard {
         self.slot_of.get(&id).copied()
     }
 
+    #[inline(always)]
     fn at(&mut self, slot: u32) -> &mut Sequence {
         &mut self.slots[slot as usize].as_mut().expect("a live slot").1
     }
 
     /// Whether `slot` holds `id`.
+    #[inline(always)]
     fn holds(&self, slot: u32, id: SeqId) -> bool {
         matches!(self.slots.get(slot as usize), Some(Some((held, _))) if *held == id)
     }
@@ -304,6 +306,7 @@ impl LockedBatch<'_> {
     }
 
     /// Where the sequence is, if live, trying `hint` (where it was found before) first.
+    #[inline(always)]
     pub(crate) fn find_hinted(&mut self, id: SeqId, hint: Option<Member>) -> Option<Member> {
         match hint {
             Some(member) if self.shard(id).holds(member.slot, id) => Some(member),
@@ -312,6 +315,7 @@ impl LockedBatch<'_> {
     }
 
     /// The member found by [`LockedBatch::find`] (in this batch, and still live).
+    #[inline(always)]
     pub(crate) fn at(&mut self, member: Member) -> &mut Sequence {
         self.guards[member.shard as usize]
             .as_mut()

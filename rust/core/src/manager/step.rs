@@ -78,8 +78,7 @@ impl BlockManager {
         let mut batch = rows.lock(&self.seqs);
         let (mut needed, mut copying, mut nnz, mut widest) = (0, false, 0, 0);
         for row in 0..n {
-            let member = rows.visit(&mut batch, row, stamp)?;
-            let s = batch.at(member);
+            let s = rows.visit(&mut batch, row, stamp)?;
             decodable(rows.id(row), s)?;
             // A sequence's table has exactly the pages of its tokens, so the token takes a new
             // block exactly when the last one is full.
@@ -197,7 +196,7 @@ impl BlockManager {
     }
 
     /// [`BlockManager::append_reserved`] of a decode step's single token.
-    #[inline]
+    #[inline(always)]
     fn append_token(&self, s: &mut Sequence, token: Token, taken: &mut Taken) {
         self.unshare_tail(s, taken);
         let full = self.bs.offset(s.tokens.len()) == 0;
@@ -259,7 +258,7 @@ struct Taken {
 
 /// Fails unless the sequence can take a decode token: `append`'s checks, and no unplanned
 /// tokens before the query.
-#[inline]
+#[inline(always)]
 fn decodable(id: SeqId, s: &Sequence) -> Result<(), Error> {
     let len = s.tokens.len();
     if s.loading.is_none() && len < MAX_TOKENS && len <= s.planned {
@@ -321,16 +320,16 @@ trait DecodeRows {
     }
     /// Finds and checks row `row`'s sequence (live, on the GPU, once in the batch) and
     /// remembers where it is; rows are visited in order, from 0.
-    #[inline]
-    fn visit(
+    #[inline(always)]
+    fn visit<'b>(
         &mut self,
-        batch: &mut LockedBatch<'_>,
+        batch: &'b mut LockedBatch<'_>,
         row: usize,
         stamp: Option<u64>,
-    ) -> Result<Member, Error> {
-        let member = visit_hinted(batch, self.id(row), self.hint(row), stamp, false)?;
+    ) -> Result<&'b mut Sequence, Error> {
+        let (member, s) = visit_hinted(batch, self.id(row), self.hint(row), stamp, false)?;
         self.remember(row, member);
-        Ok(member)
+        Ok(s)
     }
     /// Where [`DecodeRows::visit`] found row `row`'s sequence.
     fn member(&self, row: usize) -> Member {
