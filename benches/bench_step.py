@@ -14,9 +14,10 @@ counts, step counts and plan shapes, and equal physical blocks for the two `step
     python benches/bench_step.py --requests 4000 --seed 7 --enforce
     python benches/bench_step.py --against /tmp/base/python   # this build against another one
 
-With `--against DIR` it times pagedkv alone, this build and the build whose `pagedkv` package
-is in DIR (e.g. another revision's `python/` with its compiled `_core`), each in a fresh
-interpreter, alternating for `--rounds` rounds, and prints the medians and their ratio.
+With `--against DIR` it times pagedkv alone (`step`, or `step_batch` with `--batch`), this
+build and the build whose `pagedkv` package is in DIR (e.g. another revision's `python/` with
+its compiled `_core`), each in a fresh interpreter, alternating for `--rounds` rounds, and
+prints the medians and their ratio.
 """
 
 from __future__ import annotations
@@ -248,6 +249,9 @@ def main() -> int:
         "--against", metavar="DIR", help="compare with the pagedkv package found in DIR"
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --against (default 3)")
+    parser.add_argument(
+        "--batch", action="store_true", help="--against times step_batch instead of step"
+    )
     parser.add_argument("--pagedkv-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.against:
@@ -263,7 +267,7 @@ def main() -> int:
     if args.pagedkv_only:
         gc.collect()
         mgr = BlockManager(args.num_blocks, args.block_size, hash_key=bytes(32))
-        r = serve(mgr, trace, args.max_running)
+        r = serve(mgr, trace, args.max_running, persistent=args.batch)
         report("pagedkv", r)
         print(f"ns_per_token={r.step_ns / r.decode_tokens}")
         return 0
