@@ -294,9 +294,9 @@ impl BlockPool {
             self.states[block as usize].fetch_and(not_hashed, Ordering::Relaxed);
         }
         while let Some(block) = lru.pop_front() {
+            self.num_cached.store(lru.len(), Ordering::Relaxed);
             self.free.push(block);
         }
-        self.num_cached.store(0, Ordering::Relaxed);
     }
 
     /// The pool's whole state; exact only while no other thread uses the pool.

@@ -279,6 +279,7 @@ fn hand_over_copies(s: &mut Sequence, plan: &mut Plan) {
     s.planned = s.tokens.len();
 }
 
+/// [`hand_over_copies`] when there are copies: kept out of the decode loop.
 #[inline(never)]
 fn hand_over_recorded(s: &mut Sequence, plan: &mut Plan) {
     let len = s.tokens.len();
@@ -307,7 +308,8 @@ trait DecodeRows {
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
     /// Starts the inputs: `nnz` pages in all.
     fn begin(&mut self, nnz: usize, bs: BlockSize);
-    /// Adds row `row`'s inputs after its append, and hands over its copies.
+    /// Adds row `row`'s inputs after its append (or what `finish` needs for them), and hands
+    /// over its copies.
     fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
     /// Completes the inputs once every row was pushed.
     fn finish(&mut self, bs: BlockSize);
