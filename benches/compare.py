@@ -86,12 +86,13 @@ def main() -> int:
     parser.add_argument(
         "--base-target",
         type=Path,
-        help="the baseline's cargo target folder (default: $CARGO_TARGET_DIR-base)",
+        help="the baseline's cargo target folder (default: compare-base inside this tree's)",
     )
     args = parser.parse_args()
     benches = args.bench or ["admission", "manager"]
     ours_target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
-    base_target = args.base_target or Path(f"{ours_target}-base")
+    # Inside our target folder, so that it is ignored like it (a sibling would be committed).
+    base_target = args.base_target or ours_target / "compare-base"
     base = args.base_dir or Path(tempfile.mkdtemp(prefix="pagedkv-base-"))
     if base.exists():
         shutil.rmtree(base)

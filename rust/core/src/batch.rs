@@ -52,8 +52,6 @@ struct Row {
     epoch: u64,
     /// Entries of the row that hold blocks; the rest are -1.
     pages: usize,
-    /// The last block of the row.
-    tail: BlockId,
     /// Tokens of the sequence as of the last step.
     len: usize,
 }
@@ -287,10 +285,8 @@ impl Batch {
             return;
         }
         if r.epoch == epoch && r.pages + 1 == blocks.len() {
-            let tail = blocks[r.pages];
-            r.tail = tail;
             r.pages += 1;
-            self.set(row, blocks.len() - 1, tail as i32);
+            self.set(row, blocks.len() - 1, blocks[blocks.len() - 1] as i32);
             return;
         }
         self.sync_whole_row(row, blocks, epoch);
@@ -302,7 +298,6 @@ impl Batch {
         let Row {
             epoch: seen, pages, ..
         } = self.rows[row];
-        self.rows[row].tail = *blocks.last().expect("a sequence has a block");
         let from = if seen == epoch {
             pages.min(blocks.len())
         } else {
@@ -343,8 +338,8 @@ impl Batch {
         self.updates.blocks.clear();
     }
 
-    /// Writes the step's attention inputs from the rows (their lengths and last blocks), with
-    /// blocks of `bs` tokens; the copies were handed over row by row.
+    /// Writes the step's attention inputs from the rows (their lengths, and their last blocks in
+    /// the table), with blocks of `bs` tokens; the copies were handed over row by row.
     pub(crate) fn write_inputs(&mut self, bs: BlockSize) {
         let n = self.rows.len();
         let inputs = &mut self.inputs;
@@ -364,14 +359,17 @@ impl Batch {
             .iter_mut()
             .zip(&mut inputs.kv_last_page_len);
         let tokens = inputs.positions.iter_mut().zip(&mut inputs.slot_mapping);
-        for (row, ((end, last), (position, slot))) in self.rows.iter().zip(ends.zip(tokens)) {
+        let entries = self.table.chunks_exact(self.width.max(1));
+        for ((row, entries), ((end, last), (position, slot))) in
+            self.rows.iter().zip(entries).zip(ends.zip(tokens))
+        {
             let p = row.len - 1;
             let offset = bs.offset(p);
             nnz += row.pages as i32;
             *end = nnz;
             *last = offset as i32 + 1;
             *position = p as i32;
-            *slot = (row.tail as usize * bs.get() + offset) as i32;
+            *slot = (entries[row.pages - 1] as usize * bs.get() + offset) as i32;
         }
         for (q, i) in inputs.qo_indptr.iter_mut().zip(0..) {
             *q = i;
