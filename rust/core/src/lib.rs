@@ -40,7 +40,7 @@
 //!
 //! Exact semantics of every operation: `SEMANTICS.md` in the crate.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 mod batch;
@@ -56,6 +56,7 @@ mod manager;
 mod plan;
 mod pool;
 mod prefix;
+mod prefix_map;
 mod sequence;
 mod stats;
 mod sync;

@@ -46,6 +46,17 @@ impl Lru {
         self.len
     }
 
+    /// The least recently released block.
+    pub(crate) fn front(&self) -> Option<BlockId> {
+        (self.head != NIL).then_some(self.head)
+    }
+
+    /// Starts fetching `block`'s links.
+    pub(crate) fn prefetch(&self, block: BlockId) {
+        crate::sync::prefetch_write(&self.next[block as usize]);
+        crate::sync::prefetch_write(&self.prev[block as usize]);
+    }
+
     /// Removes and returns the least recently released block.
     pub(crate) fn pop_front(&mut self) -> Option<BlockId> {
         let block = self.head;

@@ -214,9 +214,12 @@ impl BlockManager {
     /// added to `evictions`, for the caller to count once per operation
     /// ([`BlockManager::count_evictions`]).
     fn take_fresh(&self, evictions: &mut u64) -> BlockId {
-        let (block, evicted) = self.gpu.take_reserved();
+        let (block, evicted, next) = self.gpu.take_reserved();
         if evicted {
             if let Some(prefix) = &self.prefix {
+                if let Some(next) = next {
+                    prefix.prefetch_key(next);
+                }
                 prefix.unregister(block, || {
                     self.events.record(|| EventKind::BlockRemoved {
                         block_hash: prefix.hash_of(block),

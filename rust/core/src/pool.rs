@@ -22,7 +22,7 @@ use crate::block::BlockState;
 use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::free_list::FreeList;
 use crate::lru::Lru;
-use crate::sync::{lock, AtomicU64, AtomicUsize, Backoff, Mutex, Ordering};
+use crate::sync::{lock, prefetch_write, AtomicU64, AtomicUsize, Backoff, Mutex, Ordering};
 use crate::BlockId;
 
 /// A pool of `num_blocks` blocks with lock-free allocation and reference counting. Internal:
@@ -135,9 +135,11 @@ impl BlockPool {
         }
     }
 
-    /// Takes a block the caller reserved: FREE first, else the LRU head. Returns the block and
-    /// whether it was evicted from the prefix cache (the caller then unregisters its hash).
-    pub(crate) fn take_reserved(&self) -> (BlockId, bool) {
+    /// Takes a block the caller reserved: FREE first, else the LRU head. Returns the block,
+    /// whether it was evicted from the prefix cache (the caller then unregisters its hash) and,
+    /// after an eviction, the block the next eviction takes (its links and state are being
+    /// prefetched; the caller may prefetch its registration).
+    pub(crate) fn take_reserved(&self) -> (BlockId, bool, Option<BlockId>) {
         let mut backoff = Backoff::default();
         loop {
             if let Some(block) = self.free.pop() {
@@ -145,7 +147,7 @@ impl BlockPool {
                 let state = &self.states[block as usize];
                 let old = BlockState(state.load(Ordering::Relaxed));
                 state.store(old.fresh().0, Ordering::Relaxed);
-                return (block, false);
+                return (block, false, None);
             }
             let mut lru = lock(&self.lru);
             if let Some(block) = lru.pop_front() {
@@ -155,7 +157,12 @@ impl BlockPool {
                 let old = BlockState(state.load(Ordering::Relaxed));
                 debug_assert!(old.cached());
                 state.store(old.fresh().0, Ordering::Release);
-                return (block, true);
+                let next = lru.front();
+                if let Some(next) = next {
+                    prefetch_write(&self.states[next as usize]);
+                    lru.prefetch(next);
+                }
+                return (block, true, next);
             }
             drop(lru);
             // Another reserver popped the block our count came from and left us one that is
@@ -215,6 +222,11 @@ impl BlockPool {
         self.stored_tokens
             .fetch_add(fill as usize, Ordering::Relaxed);
         Some(Hit::Revived)
+    }
+
+    /// Starts fetching `block`'s state word for writing.
+    pub(crate) fn prefetch_state(&self, block: BlockId) {
+        prefetch_write(&self.states[block as usize]);
     }
 
     /// Marks a held block as registered in the prefix cache.
@@ -394,7 +406,10 @@ mod tests {
         pool.release_block(held[1], 0);
         assert_eq!(pool.num_cached(), 3);
         pool.reserve(3).unwrap();
-        let order: Vec<_> = (0..3).map(|_| pool.take_reserved()).collect();
+        let order: Vec<_> = (0..3)
+            .map(|_| pool.take_reserved())
+            .map(|(b, e, _)| (b, e))
+            .collect();
         assert_eq!(order, vec![(2, true), (0, true), (1, true)]);
     }
 

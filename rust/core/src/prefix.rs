@@ -17,16 +17,13 @@
 //! A prompt is hashed before its admission takes any lock ([`PromptHashes`]), and a retry after
 //! a lost race reuses its map keys.
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use xxhash_rust::xxh3::{xxh3_128_with_secret, Xxh3};
 
 use crate::block::BlockState;
 use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::pool::BlockPool;
-use crate::sync::{lock, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::prefix_map::{PrefixMap, Region};
+use crate::sync::{prefetch_write, AtomicU32, AtomicU64, Ordering};
 use crate::{BlockId, Token};
 
 /// A 128-bit block hash: the first half of the block's BLAKE3 chaining value.
@@ -44,8 +41,6 @@ pub(crate) fn block_hash_of(chain: &Chain) -> BlockHash {
     u128::from_le_bytes(bytes)
 }
 
-const SHARDS: usize = 64;
-
 /// XXH3's default secret size (at least 136 bytes).
 const SECRET: usize = 192;
 
@@ -61,32 +56,6 @@ struct Registration {
     chain: [AtomicU64; 4],
 }
 
-/// An empty hint slot.
-const NO_BLOCK: BlockId = BlockId::MAX;
-
-/// The keys are already uniformly random (keyed XXH3), so the map uses their low bits as is.
-#[derive(Default)]
-pub(crate) struct PassThrough(u64);
-
-impl Hasher for PassThrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | u64::from(b);
-        }
-    }
-    fn write_u128(&mut self, n: u128) {
-        self.0 = n as u64;
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-type Shard = HashMap<MapKey, BlockId, BuildHasherDefault<PassThrough>>;
-
 /// Hashes, map and registered contents of one GPU pool.
 pub(crate) struct PrefixCache {
     key: [u8; 32],
@@ -95,16 +64,12 @@ pub(crate) struct PrefixCache {
     /// The BLAKE3 chaining value before block 0 without a salt (the usual case).
     unsalted_root: Chain,
     block_size: usize,
-    shards: Box<[Mutex<Shard>]>,
+    /// Map key -> registered block.
+    map: PrefixMap,
     /// Per block: its registration.
     meta: Box<[Registration]>,
     /// Per block: its `block_size` tokens at registration.
     tokens: Box<[AtomicU32]>,
-    /// A lock-free first probe: slot `key mod len` holds the block last registered under a key
-    /// of that slot (perhaps evicted since), or `NO_BLOCK`. Only a hint: a hinted block is
-    /// verified exactly like one from the map (hashed, key, parent, tokens), and a lookup falls
-    /// back to the map when the hint is empty or wrong. Written under the key's shard lock.
-    hints: Box<[AtomicU32]>,
 }
 
 fn split(h: u128) -> [u64; 2] {
@@ -206,13 +171,12 @@ impl PrefixCache {
             secret,
             unsalted_root: root_of(&key, None),
             block_size: block_size as usize,
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            map: PrefixMap::new(num_blocks)?,
             meta: try_boxed(n, |_| Registration {
                 verified: std::array::from_fn(|_| AtomicU64::new(0)),
                 chain: std::array::from_fn(|_| AtomicU64::new(0)),
             })?,
             tokens: try_boxed(n * block_size as usize, |_| AtomicU32::new(0))?,
-            hints: try_boxed((2 * n).next_power_of_two(), |_| AtomicU32::new(NO_BLOCK))?,
         })
     }
 
@@ -319,17 +283,9 @@ impl PrefixCache {
         (hits, cached)
     }
 
-    fn shard(&self, key: MapKey) -> &Mutex<Shard> {
-        &self.shards[(key >> 64) as usize % SHARDS]
-    }
-
-    fn hint(&self, key: MapKey) -> &AtomicU32 {
-        &self.hints[key as usize & (self.hints.len() - 1)]
-    }
-
     /// The block registered under `key`, if any (unverified: see [`PrefixCache::matches`]).
     pub(crate) fn get(&self, key: MapKey) -> Option<BlockId> {
-        lock(self.shard(key)).get(&key).copied()
+        self.map.lock(key).get(key, |block| self.key_of(block))
     }
 
     /// The block of `pool` registered with exactly this content, with the state it was verified
@@ -350,12 +306,12 @@ impl PrefixCache {
             (state.hashed() && self.matches(block, key, parent, tokens)).then_some((block, state))
         };
         // A hashed block registered under `key` is the one the map holds for it (a block is
-        // hashed exactly while mapped), so a verified hint is the map's answer without its lock.
-        match self.hint(key).load(Ordering::Relaxed) {
-            NO_BLOCK => None,
-            hinted => verify(hinted),
-        }
-        .or_else(|| verify(self.get(key)?))
+        // hashed exactly while mapped), so a verified lock-free probe is the map's answer; a
+        // lock-free miss is confirmed under the lock.
+        self.map
+            .probe(key, |block| self.key_of(block))
+            .and_then(verify)
+            .or_else(|| verify(self.get(key)?))
     }
 
     fn meta(&self, block: BlockId) -> &[AtomicU64; 4] {
@@ -389,6 +345,20 @@ impl PrefixCache {
         join(m[0].load(Ordering::Relaxed), m[1].load(Ordering::Relaxed))
     }
 
+    /// Starts fetching the lines a registration of `block` under `key` writes.
+    pub(crate) fn prefetch_registration(&self, block: BlockId, key: MapKey) {
+        let b = block as usize;
+        self.map.prefetch(key);
+        prefetch_write(&self.meta[b]);
+        prefetch_write(&self.tokens[b * self.block_size]);
+        prefetch_write(&self.tokens[(b + 1) * self.block_size - 1]);
+    }
+
+    /// Starts fetching the registration an eviction of `block` reads.
+    pub(crate) fn prefetch_key(&self, block: BlockId) {
+        prefetch_write(&self.meta[block as usize]);
+    }
+
     /// The BLAKE3 chaining value `block` was registered with.
     pub(crate) fn chain_of(&self, block: BlockId) -> Chain {
         let mut chain = [0u8; 32];
@@ -407,7 +377,8 @@ impl PrefixCache {
     }
 
     /// Registers `block` (held by the caller, full) under `key` unless the key is already
-    /// mapped; then `publish` (flag the block, record the event) runs under the shard lock once the
+    /// mapped (or, against all odds for keyed hashes, its region of the map is full); then
+    /// `publish` (flag the block, record the event) runs under the region's lock once the
     /// contents are written, so a reset or an eviction of the same key is ordered with it.
     pub(crate) fn register(
         &self,
@@ -418,8 +389,8 @@ impl PrefixCache {
         tokens: &[Token],
         publish: impl FnOnce(),
     ) {
-        let mut shard = lock(self.shard(key));
-        let Entry::Vacant(slot) = shard.entry(key) else {
+        let mut region = self.map.lock(key);
+        let Some(vacancy) = region.vacancy(key, |block| self.key_of(block)) else {
             return;
         };
         let [key_lo, key_hi] = split(key);
@@ -446,43 +417,32 @@ impl PrefixCache {
             slot.store(t, Ordering::Relaxed);
         }
         publish();
-        slot.insert(block);
-        self.hint(key).store(block, Ordering::Relaxed);
+        region.fill(vacancy, block);
     }
 
     /// Removes `block`'s registration if its key still maps to it (an evicted block), running
-    /// `removed` under the shard lock if it did.
+    /// `removed` under the region's lock if it did.
     pub(crate) fn unregister(&self, block: BlockId, removed: impl FnOnce()) {
         let key = self.key_of(block);
-        let mut shard = lock(self.shard(key));
-        if let Entry::Occupied(mapped) = shard.entry(key) {
-            if *mapped.get() == block {
-                // The hint may keep pointing at the block: it no longer verifies (unhashed, or
-                // registered under another key), and leaving it saves the eviction a cache miss.
-                mapped.remove();
-                removed();
-            }
+        let mut region = self.map.lock(key);
+        if region.remove(key, block) {
+            removed();
         }
     }
 
     /// The published hash of every registered block (each shard read under its lock, one after
     /// another: a block mapped there cannot be unregistered, so its registration is stable).
     pub(crate) fn hashes(&self) -> Vec<BlockHash> {
-        self.shards
+        self.map
+            .lock_all()
             .iter()
-            .flat_map(|shard| {
-                let shard = lock(shard);
-                shard
-                    .values()
-                    .map(|&block| self.hash_of(block))
-                    .collect::<Vec<_>>()
-            })
+            .flat_map(|region| region.blocks().map(|block| self.hash_of(block)))
             .collect()
     }
 
-    /// Locks every shard (in order), for a reset or an audit.
-    pub(crate) fn lock_all(&self) -> Vec<MutexGuard<'_, Shard>> {
-        self.shards.iter().map(lock).collect()
+    /// Locks the whole map (region by region, in order), for a reset or an audit.
+    pub(crate) fn lock_all(&self) -> Vec<Region<'_>> {
+        self.map.lock_all()
     }
 }
 
@@ -622,7 +582,8 @@ mod loom_tests {
     use crate::pool::Hit;
     use loom::sync::Arc;
 
-    /// Two keys in different shards, so only the block's state word orders the threads.
+    /// Two keys of one region; a lookup's lock-free probe takes no lock, so only the block's
+    /// state word orders the threads.
     const OLD: MapKey = 1 << 64;
     const NEW: MapKey = 2 << 64;
     const OLD_TOKENS: [Token; 2] = [1, 1];
@@ -679,7 +640,7 @@ mod loom_tests {
                 if pool.reserve(1).is_err() {
                     return None; // the lookup revived the block first
                 }
-                let (block, evicted) = pool.take_reserved();
+                let (block, evicted, _) = pool.take_reserved();
                 assert!(evicted);
                 prefix.unregister(block, || {});
                 prefix.register(block, NEW, 0, &NEW_CHAIN, &NEW_TOKENS, || {
@@ -708,6 +669,39 @@ mod loom_tests {
             let holders = usize::from(old_hit.is_some()) + usize::from(new_hit.is_some());
             assert_eq!(pool.state(0).refcount() as usize, holders);
             assert_eq!(pool.available() + holders, 1);
+        });
+    }
+
+    /// Two keys with one home: `SECOND` sits behind `FIRST` until `FIRST`'s block is evicted
+    /// and `SECOND` shifts back over it. A lookup of `SECOND` racing that shift may miss on its
+    /// lock-free probe, but never misses in the end: `SECOND` stays mapped throughout.
+    #[test]
+    fn lookup_finds_an_entry_that_shifts_back() {
+        const FIRST: MapKey = 1 << 64;
+        const SECOND: MapKey = 3 << 64;
+        loom::model(|| {
+            let pool = Arc::new(BlockPool::new(2).unwrap());
+            let prefix = Arc::new(PrefixCache::new([0; 32], 2, 2).unwrap());
+            for (key, tokens) in [(FIRST, [1, 1]), (SECOND, [2, 2])] {
+                let block = pool.allocate().unwrap();
+                prefix.register(block, key, 0, &[0; 32], &tokens, || pool.mark_hashed(block));
+            }
+            pool.release_block(0, 0);
+            let reader = {
+                let (pool, prefix) = (pool.clone(), prefix.clone());
+                loom::thread::spawn(move || {
+                    let found = prefix.find(&pool, SECOND, 0, &[2, 2]);
+                    found.map(|(block, _)| block)
+                })
+            };
+            pool.reserve(1).unwrap();
+            let (block, evicted, _) = pool.take_reserved();
+            assert!(evicted);
+            prefix.unregister(block, || {});
+            let found = reader.join().unwrap();
+            assert_eq!(found, Some(1));
+            assert_eq!(prefix.get(FIRST), None);
+            assert_eq!(prefix.get(SECOND), Some(1));
         });
     }
 }

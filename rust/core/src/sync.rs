@@ -38,3 +38,19 @@ impl Backoff {
         self.0 = (self.0 + 1).min(6);
     }
 }
+
+/// Asks the CPU to start fetching the cache line holding `value` for writing, so a later store
+/// (or the locked instruction that would wait for it) does not stall on the miss. Only a hint:
+/// it reads and writes nothing, and is a no-op off x86-64 and under loom.
+#[inline(always)]
+pub(crate) fn prefetch_write<T>(value: &T) {
+    #[cfg(all(target_arch = "x86_64", not(loom)))]
+    #[allow(unsafe_code)]
+    // SAFETY: a prefetch accesses no memory; `sse` is part of the x86-64 baseline.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+        _mm_prefetch::<_MM_HINT_ET0>((value as *const T).cast());
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+    let _ = value;
+}

@@ -201,13 +201,13 @@ impl BlockManager {
             self.events.record(|| EventKind::AllBlocksCleared);
             return;
         };
-        let mut shards = prefix.lock_all();
-        let registered: Vec<BlockId> = shards.iter().flat_map(|s| s.values().copied()).collect();
+        let mut regions = prefix.lock_all();
+        let registered: Vec<BlockId> = regions.iter().flat_map(|r| r.blocks()).collect();
         self.gpu.clear_hashes(registered.into_iter());
-        for shard in &mut shards {
-            shard.clear();
+        for region in &mut regions {
+            region.clear();
         }
-        // Under the shard locks and the CPU tier's, so no GPU or CPU event can slip in before
+        // Under the map's locks and the CPU tier's, so no GPU or CPU event can slip in before
         // this one for a block it clears.
         self.cpu_tier
             .clear(|| self.events.record(|| EventKind::AllBlocksCleared));

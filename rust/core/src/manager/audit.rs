@@ -12,7 +12,7 @@ impl BlockManager {
     /// first violation.
     pub fn check(&self) -> Result<(), Error> {
         let batch = self.seqs.lock_all();
-        let shards = self.prefix.as_ref().map(|p| p.lock_all());
+        let regions = self.prefix.as_ref().map(|p| p.lock_all());
         let gpu = self.gpu.audit();
         let cpu = self.cpu.audit();
         let bs = self.bs;
@@ -200,15 +200,19 @@ impl BlockManager {
             }
         }
         let hashed = gpu.states.iter().filter(|s| s.hashed()).count();
-        if let (Some(prefix), Some(shards)) = (&self.prefix, &shards) {
+        if let (Some(prefix), Some(regions)) = (&self.prefix, &regions) {
             let mut mapped = 0;
-            for (&key, &block) in shards.iter().flat_map(|s| s.iter()) {
-                mapped += 1;
-                if !gpu.states[block as usize].hashed() || prefix.key_of(block) != key {
-                    return Err(violated(
-                        block,
-                        "mapped in the prefix cache but not registered there",
-                    ));
+            for region in regions {
+                for block in region.blocks() {
+                    mapped += 1;
+                    let key = prefix.key_of(block);
+                    let found = region.get(key, |block| prefix.key_of(block));
+                    if !gpu.states[block as usize].hashed() || found != Some(block) {
+                        return Err(violated(
+                            block,
+                            "mapped in the prefix cache but not registered there",
+                        ));
+                    }
                 }
             }
             if mapped != hashed {

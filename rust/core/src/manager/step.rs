@@ -9,6 +9,7 @@ use crate::manager::{
     check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager, MAX_TOKENS,
 };
 use crate::plan::Plan;
+use crate::prefix::PrefixCache;
 use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap};
 use crate::stats::Counters;
 use crate::{BlockId, Error, SeqId, Token};
@@ -80,6 +81,7 @@ impl BlockManager {
         for row in 0..n {
             let s = rows.visit(&mut batch, row, stamp)?;
             decodable(rows.id(row), s)?;
+            self.prepare_commit(s);
             // A sequence's table has exactly the pages of its tokens, so the token takes a new
             // block exactly when the last one is full.
             let new_block = usize::from(self.bs.offset(s.tokens.len()) == 0);
@@ -123,6 +125,30 @@ impl BlockManager {
         self.gpu.add_stored(n);
         Counters::add(&self.counters.pending_tokens, n as u64);
         Ok(())
+    }
+
+    /// Prepares what this step's auto-commit of `s` will write, when its last plan filled a
+    /// block: hashes the block now and starts fetching the lines its registration writes, so
+    /// the registration, a whole pass later, does not wait on them.
+    #[inline(always)]
+    fn prepare_commit(&self, s: &mut Sequence) {
+        let Some(prefix) = &self.prefix else {
+            return;
+        };
+        let full = self.bs.index(s.planned);
+        if self.config.auto_commit && full > s.registered && s.swap_source.is_none() {
+            self.prepare_registration(prefix, s, full);
+        }
+    }
+
+    /// [`BlockManager::prepare_commit`] of a sequence with blocks to register: kept out of the
+    /// per-row loop, which reaches it for about one sequence in `block_size`.
+    #[inline(never)]
+    fn prepare_registration(&self, prefix: &PrefixCache, s: &mut Sequence, full: usize) {
+        self.hash_blocks(prefix, s, full);
+        let block = s.table[s.registered];
+        prefix.prefetch_registration(block, s.keys[s.registered]);
+        self.gpu.prefetch_state(block);
     }
 
     fn fill_plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {

@@ -38,7 +38,7 @@ fn revive_and_evict_never_both_win() {
             loom::thread::spawn(move || pool.take_reserved())
         };
         let revived = pool.acquire_hit(0, seen, 0);
-        let (evicted, was_cached) = evictor.join().unwrap();
+        let (evicted, was_cached, _) = evictor.join().unwrap();
         assert!(was_cached);
         match revived {
             Some(hit) => {
