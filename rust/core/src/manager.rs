@@ -8,6 +8,7 @@ mod fork;
 mod lifecycle;
 mod step;
 mod swap;
+mod taking;
 #[cfg(all(test, not(loom)))]
 mod testing;
 
@@ -208,29 +209,6 @@ impl BlockManager {
                 needed,
                 available,
             })
-    }
-
-    /// Takes a block reserved by the caller, unregistering it if it was evicted; evictions are
-    /// added to `evictions`, for the caller to count once per operation
-    /// ([`BlockManager::count_evictions`]).
-    fn take_fresh(&self, evictions: &mut u64) -> BlockId {
-        let (block, evicted, next) = self.gpu.take_reserved();
-        if evicted {
-            if let Some(prefix) = &self.prefix {
-                if let Some(next) = next {
-                    prefix.prefetch_key(next);
-                }
-                prefix.unregister(block, || {
-                    self.events.record(|| EventKind::BlockRemoved {
-                        block_hash: prefix.hash_of(block),
-                        block_id: block,
-                        medium: PoolKind::Gpu,
-                    })
-                });
-            }
-            *evictions += 1;
-        }
-        block
     }
 
     /// Counts the evictions of one operation (one atomic addition, not one per block).

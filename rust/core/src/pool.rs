@@ -135,37 +135,60 @@ impl BlockPool {
         }
     }
 
-    /// Takes a block the caller reserved: FREE first, else the LRU head. Returns the block,
-    /// whether it was evicted from the prefix cache (the caller then unregisters its hash) and,
-    /// after an eviction, the block the next eviction takes (its links and state are being
-    /// prefetched; the caller may prefetch its registration).
-    pub(crate) fn take_reserved(&self) -> (BlockId, bool, Option<BlockId>) {
+    /// Takes a block the caller reserved: FREE first, else the LRU head. Returns the block and
+    /// whether it was evicted from the prefix cache (the caller then unregisters its hash).
+    pub(crate) fn take_reserved(&self) -> (BlockId, bool) {
+        let mut one = [(0, false)];
+        self.take_reserved_into(&mut one);
+        one[0]
+    }
+
+    /// Takes `out.len()` blocks the caller reserved, as that many [`BlockPool::take_reserved`]
+    /// calls in a row would (FREE first, then the LRU from its head), taking the LRU lock once
+    /// rather than per block. Returns the block the next eviction would take, if any: its
+    /// links and state are being prefetched, and the caller may prefetch its registration.
+    pub(crate) fn take_reserved_into(&self, out: &mut [(BlockId, bool)]) -> Option<BlockId> {
+        let mut filled = 0;
         let mut backoff = Backoff::default();
         loop {
-            if let Some(block) = self.free.pop() {
+            while filled < out.len() {
+                let Some(block) = self.free.pop() else {
+                    break;
+                };
                 // Nobody else writes a FREE block's state: lookups only CAS hashed snapshots.
                 let state = &self.states[block as usize];
                 let old = BlockState(state.load(Ordering::Relaxed));
                 state.store(old.fresh().0, Ordering::Relaxed);
-                return (block, false, None);
+                out[filled] = (block, false);
+                filled += 1;
+            }
+            if filled == out.len() {
+                return None;
             }
             let mut lru = lock(&self.lru);
-            if let Some(block) = lru.pop_front() {
-                self.num_cached.store(lru.len(), Ordering::Relaxed);
+            while filled < out.len() {
+                let Some(block) = lru.pop_front() else {
+                    break;
+                };
                 // CACHED states change only under this lock, so a plain store is exact.
                 let state = &self.states[block as usize];
                 let old = BlockState(state.load(Ordering::Relaxed));
                 debug_assert!(old.cached());
                 state.store(old.fresh().0, Ordering::Release);
+                out[filled] = (block, true);
+                filled += 1;
+            }
+            self.num_cached.store(lru.len(), Ordering::Relaxed);
+            if filled == out.len() {
                 let next = lru.front();
                 if let Some(next) = next {
                     prefetch_write(&self.states[next as usize]);
                     lru.prefetch(next);
                 }
-                return (block, true, next);
+                return next;
             }
             drop(lru);
-            // Another reserver popped the block our count came from and left us one that is
+            // Another reserver popped a block our count came from and left us one that is
             // being pushed right now (counts are fungible, blocks are not).
             backoff.snooze();
         }
@@ -406,10 +429,7 @@ mod tests {
         pool.release_block(held[1], 0);
         assert_eq!(pool.num_cached(), 3);
         pool.reserve(3).unwrap();
-        let order: Vec<_> = (0..3)
-            .map(|_| pool.take_reserved())
-            .map(|(b, e, _)| (b, e))
-            .collect();
+        let order: Vec<_> = (0..3).map(|_| pool.take_reserved()).collect();
         assert_eq!(order, vec![(2, true), (0, true), (1, true)]);
     }
 

@@ -359,6 +359,11 @@ impl PrefixCache {
         prefetch_write(&self.meta[block as usize]);
     }
 
+    /// Starts fetching the map slot an eviction of `block` probes first (reads its key).
+    pub(crate) fn prefetch_slot(&self, block: BlockId) {
+        self.map.prefetch(self.key_of(block));
+    }
+
     /// The BLAKE3 chaining value `block` was registered with.
     pub(crate) fn chain_of(&self, block: BlockId) -> Chain {
         let mut chain = [0u8; 32];
@@ -640,7 +645,7 @@ mod loom_tests {
                 if pool.reserve(1).is_err() {
                     return None; // the lookup revived the block first
                 }
-                let (block, evicted, _) = pool.take_reserved();
+                let (block, evicted) = pool.take_reserved();
                 assert!(evicted);
                 prefix.unregister(block, || {});
                 prefix.register(block, NEW, 0, &NEW_CHAIN, &NEW_TOKENS, || {
@@ -695,7 +700,7 @@ mod loom_tests {
                 })
             };
             pool.reserve(1).unwrap();
-            let (block, evicted, _) = pool.take_reserved();
+            let (block, evicted) = pool.take_reserved();
             assert!(evicted);
             prefix.unregister(block, || {});
             let found = reader.join().unwrap();

@@ -3,6 +3,7 @@
 
 use crate::error::invalid;
 use crate::events::EventKind;
+use crate::manager::taking::Takes;
 use crate::manager::{check_room, BlockManager, MAX_TOKENS};
 use crate::pool::Hit;
 use crate::prefix::{block_hash_of, BlockHash, PrefixCache};
@@ -88,13 +89,12 @@ impl BlockManager {
                 self.gpu.unreserve(needed - used);
                 continue;
             }
-            let mut evictions = 0;
+            let mut takes = Takes::at_least(pages - table.len());
             while table.len() < pages {
-                table.push(self.take_fresh(&mut evictions));
-                used += 1;
+                table.push(self.take(&mut takes));
             }
-            self.count_evictions(evictions);
-            self.gpu.unreserve(needed - used);
+            self.count_evictions(takes.evictions);
+            self.gpu.unreserve(needed - used - takes.blocks);
             break (one, table);
         };
         let hit_blocks = prompt.as_ref().map_or(0, |(_, p)| p.hits.len());

@@ -5,6 +5,7 @@
 use crate::batch::Batch;
 use crate::block::BlockSize;
 use crate::error::invalid;
+use crate::manager::taking::Takes;
 use crate::manager::{
     check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager, MAX_TOKENS,
 };
@@ -12,7 +13,7 @@ use crate::plan::Plan;
 use crate::prefix::PrefixCache;
 use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap};
 use crate::stats::Counters;
-use crate::{BlockId, Error, SeqId, Token};
+use crate::{Error, SeqId, Token};
 
 impl BlockManager {
     /// Appends tokens to a running sequence, copying a shared last block on write. The tokens'
@@ -31,10 +32,11 @@ impl BlockManager {
         self.settle(self.auto_commit(s));
         let needed = self.blocks_to_append(s, tokens.len());
         self.reserve_gpu(needed)?;
-        let mut taken = Taken::default();
-        self.append_reserved(s, tokens, &mut taken);
-        self.count_evictions(taken.evictions);
-        self.gpu.unreserve(needed - taken.blocks);
+        let new_blocks = self.bs.pages(s.tokens.len() + tokens.len()) - s.table.len();
+        let mut takes = Takes::at_least(new_blocks);
+        self.append_reserved(s, tokens, &mut takes);
+        self.count_evictions(takes.evictions);
+        self.gpu.unreserve(needed - takes.blocks);
         self.gpu.add_stored(tokens.len());
         Counters::add(&self.counters.pending_tokens, tokens.len() as u64);
         Ok(())
@@ -77,7 +79,7 @@ impl BlockManager {
         one_each(R::CALL, n, tokens.len(), "tokens")?;
         let stamp = (!R::DISTINCT).then(|| self.next_stamp());
         let mut batch = rows.lock(&self.seqs);
-        let (mut needed, mut copying, mut nnz, mut widest) = (0, false, 0, 0);
+        let (mut needed, mut new_blocks, mut copying, mut nnz, mut widest) = (0, 0, false, 0, 0);
         for row in 0..n {
             let s = rows.visit(&mut batch, row, stamp)?;
             decodable(rows.id(row), s)?;
@@ -88,6 +90,7 @@ impl BlockManager {
             let pages = s.table.len() + new_block;
             nnz += pages;
             widest = widest.max(pages);
+            new_blocks += new_block;
             needed += new_block + usize::from(self.must_copy_tail(s));
             copying |= !s.copying.is_empty();
         }
@@ -111,17 +114,18 @@ impl BlockManager {
         rows.fit(widest)?;
         self.reserve_gpu(needed)?;
         rows.begin(nnz, self.bs);
-        let (mut taken, mut computed) = (Taken::default(), 0);
+        // Every new block is taken; copies may turn out unneeded (a holder let go meanwhile).
+        let (mut takes, mut computed) = (Takes::at_least(new_blocks), 0);
         for (row, &token) in tokens.iter().enumerate() {
             let s = batch.at(rows.member(row));
             computed += self.auto_commit(s);
-            self.append_token(s, token, &mut taken);
+            self.append_token(s, token, &mut takes);
             rows.push(row, s, self.bs);
         }
         rows.finish(self.bs);
         self.settle(computed);
-        self.count_evictions(taken.evictions);
-        self.gpu.unreserve(needed - taken.blocks);
+        self.count_evictions(takes.evictions);
+        self.gpu.unreserve(needed - takes.blocks);
         self.gpu.add_stored(n);
         Counters::add(&self.counters.pending_tokens, n as u64);
         Ok(())
@@ -212,30 +216,30 @@ impl BlockManager {
 
     /// Appends with blocks already reserved, counting those it takes into `taken`. The caller
     /// counts the appended tokens into the pool's stored tokens (once per batch).
-    fn append_reserved(&self, s: &mut Sequence, tokens: &[Token], taken: &mut Taken) {
-        self.unshare_tail(s, taken);
+    fn append_reserved(&self, s: &mut Sequence, tokens: &[Token], takes: &mut Takes) {
+        self.unshare_tail(s, takes);
         s.tokens.extend_from_slice(tokens);
         let pages = self.bs.pages(s.tokens.len());
         while s.table.len() < pages {
-            s.table.push(self.take(taken));
+            s.table.push(self.take(takes));
         }
     }
 
     /// [`BlockManager::append_reserved`] of a decode step's single token.
     #[inline(always)]
-    fn append_token(&self, s: &mut Sequence, token: Token, taken: &mut Taken) {
-        self.unshare_tail(s, taken);
+    fn append_token(&self, s: &mut Sequence, token: Token, takes: &mut Takes) {
+        self.unshare_tail(s, takes);
         let full = self.bs.offset(s.tokens.len()) == 0;
         s.tokens.push(token);
         if full {
-            s.table.push(self.take(taken));
+            s.table.push(self.take(takes));
         }
     }
 
     /// Before an append: copies the last block if it must be (a reserved block), and makes the
     /// tail private either way.
     #[inline]
-    fn unshare_tail(&self, s: &mut Sequence, taken: &mut Taken) {
+    fn unshare_tail(&self, s: &mut Sequence, takes: &mut Takes) {
         if !s.shared_tail {
             return;
         }
@@ -243,7 +247,7 @@ impl BlockManager {
         // so one this sequence held alone when the blocks were counted is still private here:
         // a copy is never taken without a reserved block.
         if self.must_copy_tail(s) {
-            self.copy_tail(s, taken);
+            self.copy_tail(s, takes);
         }
         s.shared_tail = false;
     }
@@ -251,9 +255,9 @@ impl BlockManager {
     /// Replaces the shared partial last block by a fresh (reserved) block that a copy will fill;
     /// the sequence's reference to the old block now belongs to the copy, until it is done.
     #[inline(never)]
-    fn copy_tail(&self, s: &mut Sequence, taken: &mut Taken) {
+    fn copy_tail(&self, s: &mut Sequence, takes: &mut Takes) {
         let fill = self.bs.offset(s.tokens.len()) as u32;
-        let dst = self.take(taken);
+        let dst = self.take(takes);
         let last = s.table.last_mut().expect("a sequence has a block");
         let src = *last;
         s.copies.push(PendingCopy {
@@ -266,20 +270,6 @@ impl BlockManager {
         s.table_changed();
         self.gpu.add_stored(fill as usize);
     }
-
-    /// Takes one reserved block for an append.
-    #[inline]
-    fn take(&self, taken: &mut Taken) -> BlockId {
-        taken.blocks += 1;
-        self.take_fresh(&mut taken.evictions)
-    }
-}
-
-/// The reserved blocks an operation took, and how many of them it evicted from the cache.
-#[derive(Default)]
-struct Taken {
-    blocks: usize,
-    evictions: u64,
 }
 
 /// Fails unless the sequence can take a decode token: `append`'s checks, and no unplanned

@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::error::invalid;
 use crate::events::EventKind;
+use crate::manager::taking::Takes;
 use crate::manager::{not_loading, visit, BlockManager};
 use crate::prefix::block_hash_of;
 use crate::sequence::Sequence;
@@ -116,19 +117,19 @@ impl BlockManager {
                 needed: order.len(),
                 available,
             })?;
-        let mut evictions = 0;
+        let mut takes = Takes::at_least(if to_gpu { order.len() } else { 0 });
         let pairs: Vec<[BlockId; 2]> = order
             .iter()
             .map(|&block| {
                 let target = if to_gpu {
-                    self.take_fresh(&mut evictions)
+                    self.take(&mut takes)
                 } else {
                     self.cpu.take_reserved().0
                 };
                 [block, target]
             })
             .collect();
-        self.count_evictions(evictions);
+        self.count_evictions(takes.evictions);
         let target_of: HashMap<BlockId, BlockId> = pairs.iter().map(|&[b, t]| (b, t)).collect();
         // Each target starts with one holder; every further reference adds one.
         let mut referenced = HashSet::with_capacity(pairs.len());

@@ -38,7 +38,7 @@ fn revive_and_evict_never_both_win() {
             loom::thread::spawn(move || pool.take_reserved())
         };
         let revived = pool.acquire_hit(0, seen, 0);
-        let (evicted, was_cached, _) = evictor.join().unwrap();
+        let (evicted, was_cached) = evictor.join().unwrap();
         assert!(was_cached);
         match revived {
             Some(hit) => {
@@ -122,6 +122,43 @@ fn reset_races_last_release() {
         owner.join().unwrap();
         let state = pool.state(block);
         assert!(state.free(), "reset leaves no block cached");
+        assert_consistent(&pool);
+    });
+}
+
+/// A chunked take (one LRU lock for two blocks) races a single take and a release that makes
+/// one more block FREE: every block is taken once, evicted exactly when it was CACHED, and the
+/// chunk waits for the released block if the count it reserved came from it.
+#[test]
+fn chunked_take_races_take_and_release() {
+    loom::model(|| {
+        let pool = Arc::new(all_cached(3));
+        let held = pool.allocate().unwrap();
+        let other = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || {
+                pool.release_block(held, 0);
+                pool.reserve(1).unwrap();
+                pool.take_reserved()
+            })
+        };
+        let mut chunk = [(0, false); 2];
+        while pool.reserve(2).is_err() {
+            loom::thread::yield_now();
+        }
+        pool.take_reserved_into(&mut chunk);
+        let single = other.join().unwrap();
+        let mut taken: Vec<_> = chunk.iter().chain([&single]).copied().collect();
+        taken.sort_unstable();
+        let blocks: Vec<BlockId> = taken.iter().map(|&(b, _)| b).collect();
+        assert!(
+            blocks.windows(2).all(|w| w[0] != w[1]),
+            "a block taken twice"
+        );
+        for &(block, evicted) in &taken {
+            assert_eq!(evicted, block != held, "evicted exactly the CACHED blocks");
+            assert_eq!(pool.state(block).refcount(), 1);
+        }
         assert_consistent(&pool);
     });
 }
