@@ -435,13 +435,15 @@ impl PrefixCache {
         }
     }
 
-    /// The published hash of every registered block (each shard read under its lock, one after
+    /// The published hash of every registered block (each region read under its lock, one after
     /// another: a block mapped there cannot be unregistered, so its registration is stable).
     pub(crate) fn hashes(&self) -> Vec<BlockHash> {
         self.map
-            .lock_all()
-            .iter()
-            .flat_map(|region| region.blocks().map(|block| self.hash_of(block)))
+            .regions()
+            .flat_map(|region| {
+                let hashes: Vec<_> = region.blocks().map(|b| self.hash_of(b)).collect();
+                hashes
+            })
             .collect()
     }
 

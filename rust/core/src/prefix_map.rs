@@ -118,15 +118,18 @@ impl PrefixMap {
         }
     }
 
-    /// Locks every region, in order: the whole map, for a reset, a listing or an audit.
+    /// Locks each region in turn, in order, as the iterator reaches it.
+    pub(crate) fn regions(&self) -> impl Iterator<Item = Region<'_>> {
+        (0..self.regions.len()).map(|region| Region {
+            map: self,
+            region,
+            _guard: lock(&self.regions[region]),
+        })
+    }
+
+    /// Locks every region, in order: the whole map, for a reset or an audit.
     pub(crate) fn lock_all(&self) -> Vec<Region<'_>> {
-        (0..self.regions.len())
-            .map(|region| Region {
-                map: self,
-                region,
-                _guard: lock(&self.regions[region]),
-            })
-            .collect()
+        self.regions().collect()
     }
 }
 

@@ -44,19 +44,13 @@ impl Backoff {
 /// it reads and writes nothing, and is a no-op off x86-64 and under loom.
 #[inline(always)]
 pub(crate) fn prefetch_write<T>(value: &T) {
-    prefetch_address((value as *const T).cast());
-}
-
-#[inline(always)]
-fn prefetch_address(address: *const u8) {
     #[cfg(all(target_arch = "x86_64", not(loom)))]
     #[allow(unsafe_code)]
-    // SAFETY: a prefetch accesses no memory (any address is fine); `sse` is part of the x86-64
-    // baseline.
+    // SAFETY: a prefetch accesses no memory; `sse` is part of the x86-64 baseline.
     unsafe {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
-        _mm_prefetch::<_MM_HINT_ET0>(address.cast());
+        _mm_prefetch::<_MM_HINT_ET0>((value as *const T).cast());
     }
     #[cfg(not(all(target_arch = "x86_64", not(loom))))]
-    let _ = address;
+    let _ = value;
 }

@@ -214,7 +214,7 @@ impl BlockManager {
                 > 1
     }
 
-    /// Appends with blocks already reserved, counting those it takes into `taken`. The caller
+    /// Appends with blocks already reserved, taking them through `takes`. The caller
     /// counts the appended tokens into the pool's stored tokens (once per batch).
     fn append_reserved(&self, s: &mut Sequence, tokens: &[Token], takes: &mut Takes) {
         self.unshare_tail(s, takes);
