@@ -309,7 +309,7 @@ impl PrefixCache {
         // hashed exactly while mapped), so a verified lock-free probe is the map's answer; a
         // lock-free miss is confirmed under the lock.
         self.map
-            .probe(key, |block| self.key_of(block))
+            .probe(key)
             .and_then(verify)
             .or_else(|| verify(self.get(key)?))
     }
@@ -679,13 +679,14 @@ mod loom_tests {
         });
     }
 
-    /// Two keys with one home: `SECOND` sits behind `FIRST` until `FIRST`'s block is evicted
-    /// and `SECOND` shifts back over it. A lookup of `SECOND` racing that shift may miss on its
-    /// lock-free probe, but never misses in the end: `SECOND` stays mapped throughout.
+    /// Two keys with one home (and different fingerprints): `SECOND` sits behind `FIRST` until
+    /// `FIRST`'s block is evicted and `SECOND` shifts back over it. A lookup of `SECOND` racing
+    /// that shift may miss on its lock-free probe, but never misses in the end: `SECOND` stays
+    /// mapped throughout.
     #[test]
     fn lookup_finds_an_entry_that_shifts_back() {
-        const FIRST: MapKey = 1 << 64;
-        const SECOND: MapKey = 3 << 64;
+        const FIRST: MapKey = 1 << 64 | 4;
+        const SECOND: MapKey = 3 << 64 | 8;
         loom::model(|| {
             let pool = Arc::new(BlockPool::new(2).unwrap());
             let prefix = Arc::new(PrefixCache::new([0; 32], 2, 2).unwrap());
