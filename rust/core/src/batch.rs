@@ -381,6 +381,16 @@ impl Batch {
 mod tests {
     use super::*;
 
+    /// A batch of rows for `seqs`, wide enough for `pages` blocks a row.
+    fn batch_of(seqs: &[SeqId], pages: usize) -> Batch {
+        let mut batch = Batch::new();
+        for &seq in seqs {
+            batch.add(seq).unwrap();
+        }
+        batch.fit(pages).unwrap();
+        batch
+    }
+
     fn entries(batch: &Batch) -> Vec<Vec<i32>> {
         batch
             .block_table()
@@ -418,11 +428,7 @@ mod tests {
 
     #[test]
     fn removing_moves_the_last_row_into_the_hole() {
-        let mut batch = Batch::new();
-        for seq in [1, 2, 3] {
-            batch.add(seq).unwrap();
-        }
-        batch.fit(4).unwrap();
+        let mut batch = batch_of(&[1, 2, 3], 4);
         batch.sync_row(0, &[1, 1, 1], 1, 1);
         batch.sync_row(1, &[2], 1, 1);
         batch.sync_row(2, &[3, 3], 1, 1);
@@ -442,10 +448,7 @@ mod tests {
 
     #[test]
     fn changing_rows_empties_the_inputs() {
-        let mut batch = Batch::new();
-        batch.add(1).unwrap();
-        batch.add(2).unwrap();
-        batch.fit(1).unwrap();
+        let mut batch = batch_of(&[1, 2], 1);
         for row in 0..2 {
             batch.sync_row(row, &[row as BlockId], 1, 2);
         }
@@ -465,10 +468,7 @@ mod tests {
 
     #[test]
     fn widening_keeps_every_row() {
-        let mut batch = Batch::new();
-        batch.add(1).unwrap();
-        batch.add(2).unwrap();
-        batch.fit(2).unwrap();
+        let mut batch = batch_of(&[1, 2], 2);
         batch.sync_row(0, &[5, 6], 1, 1);
         batch.sync_row(1, &[7], 1, 1);
         batch.fit(40).unwrap();

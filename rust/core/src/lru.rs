@@ -2,6 +2,7 @@
 //! release at the head. Lives under the pool's lock; every operation is O(1).
 
 use crate::bookkeeping::{try_boxed, TooLarge};
+use crate::sync::prefetch_write;
 use crate::BlockId;
 
 const NIL: u32 = u32::MAX;
@@ -53,8 +54,8 @@ impl Lru {
 
     /// Starts fetching `block`'s links.
     pub(crate) fn prefetch(&self, block: BlockId) {
-        crate::sync::prefetch_write(&self.next[block as usize]);
-        crate::sync::prefetch_write(&self.prev[block as usize]);
+        prefetch_write(&self.next[block as usize]);
+        prefetch_write(&self.prev[block as usize]);
     }
 
     /// Removes and returns the least recently released block.

@@ -142,6 +142,10 @@ mod tests {
             let mut takes = Takes::at_least(certain);
             let blocks: Vec<BlockId> = (0..n).map(|_| mgr.take(&mut takes)).collect();
             assert_eq!(takes.blocks, n);
+            for &block in &blocks {
+                mgr.gpu.release_block(block, 0);
+            }
+            mgr.check().unwrap();
             (blocks, takes.evictions, event_blocks(mgr))
         };
         let expected = take(&single, 0);
