@@ -10,6 +10,9 @@ use crate::sequence::Sequence;
 use crate::stats::Counters;
 use crate::{Error, PoolKind, SeqId};
 
+/// How far ahead of a run of registrations their lines are prefetched.
+const REGISTRATIONS_AHEAD: usize = 4;
+
 impl BlockManager {
     /// Confirms that the first `loaded` blocks handed out by `allocate_loading` hold their KV:
     /// they become computed (and shareable); the rest stay pending, to be recomputed.
@@ -169,7 +172,17 @@ impl BlockManager {
         }
         self.hash_blocks(prefix, s, upto);
         let bs = self.bs.get();
+        // A run of registrations (a prefill's commit) fetches the lines of the ones ahead while
+        // it writes this one.
+        let prefetch = |i: usize| {
+            if i < upto {
+                prefix.prefetch_registration(s.table[i], s.keys[i]);
+                self.gpu.prefetch_state(s.table[i]);
+            }
+        };
+        (s.registered..s.registered + REGISTRATIONS_AHEAD).for_each(prefetch);
         for i in s.registered..upto {
+            prefetch(i + REGISTRATIONS_AHEAD);
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
             let (hash, parent) = (block_hash_of(&s.hashes[i]), block_hash_of(&parent));
