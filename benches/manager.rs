@@ -77,7 +77,8 @@ fn bench_append(c: &mut Criterion) {
 /// inputs, which also commits the previous step (its filled blocks become shareable): the
 /// one-shot `step` into a reused `Plan` (the whole CSR), and `step_batch` on a persistent
 /// `Batch` (only what changed), with prefix caching on and off. The plan alone splits the
-/// one-shot step's cost; the floor is the least memory traffic of a step (see `Floor`).
+/// one-shot step's cost; the floor is the least memory traffic of a step (see `Floor`). The
+/// first step after an admission is timed alone too: it commits the prefill.
 fn bench_step(c: &mut Criterion) {
     let blocks = 2 * Decoding::blocks();
     let mut decoding = Decoding::new(Arc::new(manager(blocks, true)));
@@ -99,6 +100,12 @@ fn bench_step(c: &mut Criterion) {
             let elapsed = uncached.time(iters, Stepping::Persistent);
             record("step_batch_off", elapsed, iters)
         })
+    });
+    // The first step after a batch was admitted and prefilled also commits the prefill: it
+    // registers every prompt's full blocks (256 x ~31), which the steps above average in.
+    let mut first = Decoding::new(Arc::new(manager(blocks, true)));
+    g.bench_function("step_batch/first_after_prefill", |b| {
+        b.iter_custom(|iters| record("first_step", first.time_first_steps(iters), iters))
     });
     let query_lens = vec![1u32; decoding::BATCH];
     g.bench_function("plan/batch256", |b| {
@@ -210,6 +217,18 @@ fn main() {
         "step_batch_off",
         "step_batch, batch 256, prefix caching off (no registration or eviction)",
     );
+    show_us(
+        "first_step",
+        "first step_batch after 256 prompts were prefilled (commits ~7,900 full blocks)",
+    );
+    if let (Some(t), Some(first)) = (mean_ns("step_batch"), mean_ns("first_step")) {
+        let steps = decoding::MAX_STEPS as f64;
+        println!(
+            "step_batch without the prefill's commit (the other {} steps of a batch): {:.3} us",
+            decoding::MAX_STEPS - 1,
+            (steps * t - first) / (steps - 1.0) / 1e3
+        );
+    }
     show_us(
         "floor",
         "floor of a decode step, batch 256 (least memory traffic)",

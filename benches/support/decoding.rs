@@ -95,6 +95,23 @@ impl Decoding {
         .unwrap();
     }
 
+    /// Times the first `step_batch` after each of `iters` fresh admissions: its auto-commit
+    /// confirms the prefill and registers every prompt's full blocks. Admissions are not timed.
+    #[allow(dead_code)] // the manager bench's; the admission bench includes this file too
+    pub fn time_first_steps(&mut self, iters: u64) -> Duration {
+        let mut elapsed = Duration::ZERO;
+        for _ in 0..iters {
+            self.admit();
+            let tokens = self.tokens.take(BATCH);
+            let start = Instant::now();
+            self.step(Stepping::Persistent, &tokens);
+            elapsed += start.elapsed();
+            black_box(&self.batch);
+            self.steps = 1;
+        }
+        elapsed
+    }
+
     /// Runs `iters` steps; returns the time spent stepping (re-admissions are not timed).
     pub fn time(&mut self, iters: u64, how: Stepping) -> Duration {
         let mut elapsed = Duration::ZERO;

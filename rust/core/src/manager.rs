@@ -220,9 +220,9 @@ impl BlockManager {
 
     /// Releases the GPU block table of `len` tokens, last block first.
     fn release_gpu_blocks(&self, table: &[BlockId], len: usize) {
-        for (i, &block) in table.iter().enumerate().rev() {
-            self.gpu.release_block(block, self.bs.fill(i, len));
-        }
+        let blocks = table.iter().enumerate().rev();
+        self.gpu
+            .release_blocks(blocks.map(|(i, &block)| (block, self.bs.fill(i, len))));
     }
 
     /// Releases a CPU block table, last block first; a freed block leaves the CPU tier.

@@ -13,7 +13,7 @@
 //! - A block's registration (hash, parent, tokens in the prefix cache) is written before
 //!   `mark_hashed`'s release; every later change of the state word is a read-modify-write or
 //!   happens under the `lru` lock, so a lookup's acquire load of a hashed state sees the
-//!   registration of that incarnation. `acquire_hit` then takes the block only if the
+//!   registration of that incarnation. `acquire_hits` then takes the block only if the
 //!   incarnation is unchanged: that, not the lookup, is what guarantees a hit's contents.
 //! - These atomics order host metadata only. The GPU's KV writes into a block are ordered by the
 //!   engine's CUDA streams and events, never by anything here.
@@ -22,7 +22,9 @@ use crate::block::BlockState;
 use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::free_list::FreeList;
 use crate::lru::Lru;
-use crate::sync::{lock, prefetch_write, AtomicU64, AtomicUsize, Backoff, Mutex, Ordering};
+use crate::sync::{
+    lock, prefetch_write, AtomicU64, AtomicUsize, Backoff, Mutex, MutexGuard, Ordering,
+};
 use crate::BlockId;
 
 /// A pool of `num_blocks` blocks with lock-free allocation and reference counting. Internal:
@@ -38,6 +40,10 @@ pub(crate) struct BlockPool {
     available: AtomicUsize,
     stored_tokens: AtomicUsize,
 }
+
+/// Blocks a run of releases or revivals handles per hold of the LRU lock: bounds how long it
+/// keeps other threads' takes waiting.
+const RUN_CHUNK: usize = 16;
 
 /// What a prefix hit did to the block it matched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -206,11 +212,53 @@ impl BlockPool {
         debug_assert!(BlockState(old).refcount() >= 1);
     }
 
-    /// Takes a reference to a block a prefix lookup matched, if it is still the incarnation
-    /// `seen` (same generation, still hashed) and still in the same class (held or cached).
-    /// Reviving a CACHED block consumes one block the caller reserved and counts its `fill`
-    /// tokens as stored again.
+    /// One prefix hit's [`BlockPool::acquire_hits`], for the tests of the protocol.
+    #[cfg(test)]
     pub(crate) fn acquire_hit(&self, block: BlockId, seen: BlockState, fill: u32) -> Option<Hit> {
+        match self.acquire_hits(&[(block, seen)], fill) {
+            (0, _) => None,
+            (_, 0) => Some(Hit::Shared),
+            _ => Some(Hit::Revived),
+        }
+    }
+
+    /// Takes a reference to each block a prefix lookup matched, in order, stopping at the first
+    /// that is no longer the incarnation it was seen in (same generation, still hashed) or no
+    /// longer in the same class (held or cached). Reviving a CACHED block consumes one block
+    /// the caller reserved and counts its `fill` tokens as stored again. The LRU lock is taken
+    /// once per chunk of blocks rather than per revival. Returns how many blocks were acquired,
+    /// and how many of them were revived.
+    pub(crate) fn acquire_hits(&self, hits: &[(BlockId, BlockState)], fill: u32) -> (usize, usize) {
+        let (mut lru, mut revived, mut unsettled) = (None, 0, 0);
+        for (acquired, &(block, seen)) in hits.iter().enumerate() {
+            match self.acquire_under(block, seen, &mut lru) {
+                None => {
+                    self.settle_revivals(lru, unsettled * fill as usize);
+                    return (acquired, revived);
+                }
+                Some(Hit::Shared) => {}
+                Some(Hit::Revived) => {
+                    revived += 1;
+                    unsettled += 1;
+                }
+            }
+            if unsettled == RUN_CHUNK {
+                self.settle_revivals(lru.take(), unsettled * fill as usize);
+                unsettled = 0;
+            }
+        }
+        self.settle_revivals(lru, unsettled * fill as usize);
+        (hits.len(), revived)
+    }
+
+    /// One acquisition of [`BlockPool::acquire_hits`], taking the LRU lock into `lru` (if not
+    /// held yet) when the block is CACHED; the caller settles the counters.
+    fn acquire_under<'p>(
+        &'p self,
+        block: BlockId,
+        seen: BlockState,
+        lru: &mut Option<MutexGuard<'p, Lru>>,
+    ) -> Option<Hit> {
         let state = &self.states[block as usize];
         if seen.refcount() > 0 {
             let mut current = BlockState(state.load(Ordering::Relaxed));
@@ -232,19 +280,27 @@ impl BlockPool {
                 }
             }
         }
-        let mut lru = lock(&self.lru);
+        let lru = lru.get_or_insert_with(|| lock(&self.lru));
         let current = BlockState(state.load(Ordering::Relaxed));
         if current != seen {
             return None;
         }
         lru.remove(block);
-        self.num_cached.store(lru.len(), Ordering::Relaxed);
         // A read-modify-write, not a store: it continues the release sequence headed by
         // `mark_hashed`, on which lookups that read the revived state rely. Refcount 0 -> 1.
         state.fetch_add(1, Ordering::Relaxed);
-        self.stored_tokens
-            .fetch_add(fill as usize, Ordering::Relaxed);
         Some(Hit::Revived)
+    }
+
+    /// Publishes what revivals under `lru` did: the LRU's length (then the lock is let go),
+    /// and `fill` tokens stored again.
+    fn settle_revivals(&self, lru: Option<MutexGuard<'_, Lru>>, fill: usize) {
+        if let Some(lru) = lru {
+            self.num_cached.store(lru.len(), Ordering::Relaxed);
+        }
+        if fill > 0 {
+            self.stored_tokens.fetch_add(fill, Ordering::Relaxed);
+        }
     }
 
     /// Starts fetching `block`'s state word for writing.
@@ -269,7 +325,39 @@ impl BlockPool {
     /// Drops one reference to a block holding `fill` tokens (all its holders agree on that);
     /// at zero they no longer count as stored. See [`Released`].
     pub(crate) fn release_block(&self, block: BlockId, fill: u32) -> Released {
-        let fill = fill as usize;
+        let mut lru = None;
+        let released = self.release_under(block, &mut lru);
+        let last = usize::from(released != Released::Held);
+        self.settle_releases(lru, last, last * fill as usize);
+        released
+    }
+
+    /// [`BlockPool::release_block`] for each of `blocks` (block, fill) in order, with the LRU
+    /// lock taken once per chunk of blocks rather than per block that becomes CACHED, and the
+    /// counters updated once per chunk.
+    pub(crate) fn release_blocks(&self, blocks: impl IntoIterator<Item = (BlockId, u32)>) {
+        let (mut lru, mut last, mut fill, mut handled) = (None, 0, 0, 0);
+        for (block, block_fill) in blocks {
+            if self.release_under(block, &mut lru) != Released::Held {
+                last += 1;
+                fill += block_fill as usize;
+            }
+            handled += 1;
+            if handled == RUN_CHUNK {
+                self.settle_releases(lru.take(), last, fill);
+                (last, fill, handled) = (0, 0, 0);
+            }
+        }
+        self.settle_releases(lru, last, fill);
+    }
+
+    /// One release of [`BlockPool::release_block`], taking the LRU lock into `lru` (if not held
+    /// yet) when the block becomes CACHED; the caller settles the counters.
+    fn release_under<'p>(
+        &'p self,
+        block: BlockId,
+        lru: &mut Option<MutexGuard<'p, Lru>>,
+    ) -> Released {
         let state = &self.states[block as usize];
         let mut current = BlockState(state.load(Ordering::Relaxed));
         loop {
@@ -291,7 +379,7 @@ impl BlockPool {
                 }
             }
             if current.hashed() {
-                let mut lru = lock(&self.lru);
+                let lru = lru.get_or_insert_with(|| lock(&self.lru));
                 if let Err(now) = state.compare_exchange(
                     current.0,
                     current.with_refcount(0).0,
@@ -302,21 +390,27 @@ impl BlockPool {
                     continue;
                 }
                 lru.push_back(block);
-                self.num_cached.store(lru.len(), Ordering::Relaxed);
-                drop(lru);
-                self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
-                // Release, after the LRU push: pairs with `reserve`'s Acquire.
-                self.available.fetch_add(1, Ordering::Release);
                 return Released::Cached;
             }
             // The last holder of an unhashed block is alone with it: lookups only CAS hashed
             // snapshots, and nobody else can register or share it. A store suffices.
             state.store(current.with_refcount(0).0, Ordering::Release);
-            self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
             self.free.push(block);
-            // Release, after the push: a reserver whose count includes this block sees it pushed.
-            self.available.fetch_add(1, Ordering::Release);
             return Released::Freed;
+        }
+    }
+
+    /// Publishes what releases under `lru` did: the LRU's length (then the lock is let go),
+    /// `fill` tokens no longer stored, and `last` blocks available again.
+    fn settle_releases(&self, lru: Option<MutexGuard<'_, Lru>>, last: usize, fill: usize) {
+        if let Some(lru) = lru {
+            self.num_cached.store(lru.len(), Ordering::Relaxed);
+        }
+        if last > 0 {
+            self.stored_tokens.fetch_sub(fill, Ordering::Relaxed);
+            // Release, after the pushes: a reserver whose count includes these blocks finds
+            // them on the free list or in the LRU (pairs with `reserve`'s Acquire).
+            self.available.fetch_add(last, Ordering::Release);
         }
     }
 
@@ -411,6 +505,73 @@ mod tests {
         pool.mark_hashed(block);
         assert_eq!(pool.release_block(block, 0), Released::Cached);
         block
+    }
+
+    /// A pool of 40 blocks: held ones, hashed or not, some shared twice, then its audit.
+    fn mixed_pool() -> (BlockPool, Vec<BlockId>) {
+        let pool = BlockPool::new(40).unwrap();
+        let blocks: Vec<_> = (0..40).map(|_| pool.allocate().unwrap()).collect();
+        for &b in &blocks {
+            if b % 3 != 0 {
+                pool.mark_hashed(b);
+            }
+            if b % 5 == 0 {
+                pool.share_held(b);
+            }
+        }
+        pool.add_stored(40 * 16);
+        (pool, blocks)
+    }
+
+    fn same_audit(a: &BlockPool, b: &BlockPool) {
+        let (a, b) = (a.audit(), b.audit());
+        assert_eq!(a.states, b.states);
+        assert_eq!(a.free, b.free);
+        assert_eq!(a.cached, b.cached);
+        assert_eq!(
+            (a.num_cached, a.available, a.stored_tokens),
+            (b.num_cached, b.available, b.stored_tokens)
+        );
+    }
+
+    #[test]
+    fn runs_change_nothing_but_the_locking() {
+        // Releases: 40 blocks (more than a chunk), some shared, some unhashed.
+        let (one, blocks) = mixed_pool();
+        let (run, _) = mixed_pool();
+        let fill = |b: BlockId| 1 + b % 16;
+        let released: Vec<_> = blocks
+            .iter()
+            .rev()
+            .map(|&b| one.release_block(b, fill(b)))
+            .collect();
+        assert!(released.contains(&Released::Held) && released.contains(&Released::Freed));
+        run.release_blocks(blocks.iter().rev().map(|&b| (b, fill(b))));
+        same_audit(&one, &run);
+        // Revivals and shares, stopping at the first stale snapshot.
+        let mut hits: Vec<_> = blocks.iter().map(|&b| (b, one.state(b))).collect();
+        hits.retain(|&(_, state)| state.hashed());
+        // A snapshot of an older incarnation.
+        hits[20].1 = BlockState(hits[20].1 .0).fresh().with_hashed(true);
+        one.reserve(20).unwrap();
+        run.reserve(20).unwrap();
+        let mut acquired = (0, 0);
+        for &(block, seen) in &hits {
+            match one.acquire_hit(block, seen, 16) {
+                Some(hit) => {
+                    acquired.0 += 1;
+                    acquired.1 += usize::from(hit == Hit::Revived);
+                }
+                None => break,
+            }
+        }
+        assert_eq!(acquired.0, 20);
+        assert!(
+            acquired.1 > 0 && acquired.1 < 20,
+            "both revivals and shares"
+        );
+        assert_eq!(run.acquire_hits(&hits, 16), acquired);
+        same_audit(&one, &run);
     }
 
     #[test]

@@ -96,7 +96,7 @@ pub(crate) struct PromptHashes {
     /// Chaining value of every full block: read from the hit blocks (valid once they are
     /// acquired in the state they were verified in), then computed for the rest.
     pub(crate) chains: Vec<Chain>,
-    /// Verified hits, with the state each was verified in (for `acquire_hit`).
+    /// Verified hits, with the state each was verified in (for `acquire_hits`).
     pub(crate) hits: Vec<(BlockId, BlockState)>,
     /// Hits with refcount 0 (CACHED): taking them uses up an available block.
     pub(crate) cached_hits: usize,
@@ -129,7 +129,7 @@ impl PromptHashes {
             self.cached_hits += usize::from(state.refcount() == 0);
             self.hits.push((block, state));
             // Read after `find`'s acquire load of the state, like the verified tokens: if
-            // `acquire_hit` later succeeds with that state, this is the hit's own chain.
+            // `acquire_hits` later succeeds with that state, this is the hit's own chain.
             self.chains[i] = prefix.chain_of(block);
             parent = key;
         }
@@ -290,10 +290,10 @@ impl PrefixCache {
 
     /// The block of `pool` registered with exactly this content, with the state it was verified
     /// in. Read-only and unguarded: the block may be evicted and reused the moment after, so a
-    /// caller must take it with `pool.acquire_hit(block, state, ..)`, which succeeds only while
-    /// the block is still that incarnation. (The state's acquire load makes that incarnation's
-    /// registration visible; contents read from a later one imply a generation `acquire_hit`
-    /// rejects. Model-checked below.)
+    /// caller must take it with `pool.acquire_hits`, which succeeds only while the block is
+    /// still that incarnation. (The state's acquire load makes that incarnation's registration
+    /// visible; contents read from a later one imply a generation `acquire_hits` rejects.
+    /// Model-checked below.)
     pub(crate) fn find(
         &self,
         pool: &BlockPool,

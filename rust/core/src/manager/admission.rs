@@ -5,7 +5,6 @@ use crate::error::invalid;
 use crate::events::EventKind;
 use crate::manager::taking::Takes;
 use crate::manager::{check_room, BlockManager, MAX_TOKENS};
-use crate::pool::Hit;
 use crate::prefix::{block_hash_of, BlockHash, PrefixCache};
 use crate::sequence::Sequence;
 use crate::stats::Counters;
@@ -74,16 +73,9 @@ impl BlockManager {
             let needed = pages - hits.len() + cached_hits;
             self.reserve_gpu(needed)?;
             let mut table = Vec::with_capacity(pages);
-            let mut used = 0;
-            for &(block, seen) in hits {
-                match self.gpu.acquire_hit(block, seen, bs.get() as u32) {
-                    Some(Hit::Shared) => {}
-                    Some(Hit::Revived) => used += 1,
-                    None => break,
-                }
-                table.push(block);
-            }
-            if table.len() < hits.len() {
+            let (acquired, used) = self.gpu.acquire_hits(hits, bs.get() as u32);
+            table.extend(hits[..acquired].iter().map(|&(block, _)| block));
+            if acquired < hits.len() {
                 // Another thread changed a matched block between lookup and acquire: undo, retry.
                 self.release_gpu_blocks(&table, table.len() * bs.get());
                 self.gpu.unreserve(needed - used);

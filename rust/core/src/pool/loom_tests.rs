@@ -1,5 +1,6 @@
 //! Loom models of the pool's races: revival against eviction, sharing against the last
-//! release, allocation against release, reset against the last release.
+//! release, allocation against release, reset against the last release, and the runs of
+//! releases and revivals against hits and evictions.
 
 use super::*;
 use loom::sync::Arc;
@@ -158,6 +159,69 @@ fn chunked_take_races_take_and_release() {
         for &(block, evicted) in &taken {
             assert_eq!(evicted, block != held, "evicted exactly the CACHED blocks");
             assert_eq!(pool.state(block).refcount(), 1);
+        }
+        assert_consistent(&pool);
+    });
+}
+
+/// A run of releases (a sequence's free: its tail first, one LRU lock for both blocks) races a
+/// run of hits on the same held blocks: each block ends held by the hit or CACHED, never both,
+/// and the hits stop at the first block already released.
+#[test]
+fn release_run_races_hit_run() {
+    loom::model(|| {
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        let blocks = [pool.allocate().unwrap(), pool.allocate().unwrap()];
+        for &b in &blocks {
+            pool.mark_hashed(b);
+        }
+        pool.add_stored(8);
+        let hits = blocks.map(|b| (b, pool.state(b)));
+        let owner = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || pool.release_blocks(blocks.iter().rev().map(|&b| (b, 4))))
+        };
+        let (acquired, revived) = pool.acquire_hits(&hits, 4);
+        owner.join().unwrap();
+        assert_eq!(revived, 0, "a held snapshot never revives");
+        for (i, &block) in blocks.iter().enumerate() {
+            let state = pool.state(block);
+            if i < acquired {
+                assert_eq!(state.refcount(), 1);
+            } else {
+                assert!(state.cached());
+            }
+        }
+        assert_eq!(pool.stored_tokens(), 4 * acquired);
+        assert_consistent(&pool);
+    });
+}
+
+/// A run of revivals (one LRU lock for both) races an eviction: the eviction takes the first
+/// block the run has not revived yet, and the run stops there.
+#[test]
+fn revival_run_races_eviction() {
+    loom::model(|| {
+        let pool = Arc::new(all_cached(3));
+        let hits = [(0, pool.state(0)), (1, pool.state(1))];
+        pool.reserve(3).unwrap();
+        let evictor = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || pool.take_reserved())
+        };
+        let (acquired, revived) = pool.acquire_hits(&hits, 0);
+        let (evicted, was_cached) = evictor.join().unwrap();
+        pool.unreserve(3 - 1 - revived);
+        assert!(was_cached);
+        assert_eq!(revived, acquired);
+        assert_eq!(evicted as usize, acquired);
+        for block in 0..3 {
+            let state = pool.state(block);
+            match (block as usize).cmp(&acquired) {
+                std::cmp::Ordering::Less => assert!(state.hashed() && state.refcount() == 1),
+                std::cmp::Ordering::Equal => assert!(!state.hashed() && state.refcount() == 1),
+                std::cmp::Ordering::Greater => assert!(state.cached()),
+            }
         }
         assert_consistent(&pool);
     });
