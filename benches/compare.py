@@ -2,7 +2,7 @@
 the ratio of each summary figure (medians over the rounds).
 
 The other revision is exported with `git archive` into a scratch folder, this tree's bench
-sources (`benches/*.rs`, which use only the public API) are copied over its own, and it is
+sources (`benches/**/*.rs`, which use only the public API) are copied over its own, and it is
 built there with its own target folder; then each round runs the baseline's bench binary and
 this tree's, one after the other. A figure is any summary line a bench prints as
 `<what>: <number> us`.
@@ -20,7 +20,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,28 +80,36 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument(
-        "--base-dir", type=Path, help="where to export the baseline (default: a temp folder)"
+        "--base-dir",
+        type=Path,
+        help="where to export the baseline (default: compare-base-src inside this tree's target "
+        "folder)",
     )
     parser.add_argument(
         "--base-target",
         type=Path,
-        help="the baseline's cargo target folder (default: compare-base inside this tree's)",
+        help="the baseline's cargo target folder (default: compare-base-target inside this tree's)",
     )
     args = parser.parse_args()
     benches = args.bench or ["admission", "manager"]
     ours_target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
     # Inside our target folder, so that it is ignored like it (a sibling would be committed).
-    base_target = args.base_target or ours_target / "compare-base"
-    base = args.base_dir or Path(tempfile.mkdtemp(prefix="pagedkv-base-"))
+    base_target = args.base_target or ours_target / "compare-base-target"
+    # One fixed place, rewritten each run: cargo judges a build fresh by the files its records
+    # name, so a baseline exported somewhere new each time would be judged by the previous
+    # export's files (still there, unchanged) and not rebuilt.
+    base = args.base_dir or ours_target / "compare-base-src"
     if base.exists():
         shutil.rmtree(base)
     base.mkdir(parents=True)
     archive = subprocess.run(
         ["git", "archive", args.rev], cwd=ROOT, check=True, capture_output=True
     ).stdout
-    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
-    for source in (ROOT / "benches").glob("*.rs"):
-        shutil.copy(source, base / "benches" / source.name)
+    # `-m`: the files are dated now, not at the commit, so cargo never takes them for the
+    # sources of an older build in the same place.
+    subprocess.run(["tar", "-x", "-m", "-C", str(base)], input=archive, check=True)
+    for source in (ROOT / "benches").rglob("*.rs"):
+        shutil.copy(source, base / source.relative_to(ROOT))
     declare_benches(base / "rust/core/Cargo.toml", benches)
     print(f"building {args.rev} in {base} and this tree", file=sys.stderr)
     exes = {"base": build(base, base_target, benches), "ours": build(ROOT, ours_target, benches)}
