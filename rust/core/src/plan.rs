@@ -136,11 +136,16 @@ impl Plan {
         self.kv_indptr.push(self.kv_indices.len() as i32);
         self.kv_last_page_len
             .push((kv_len - (pages - 1) * bs.get()) as i32);
-        for p in kv_len - query_len..kv_len {
-            self.positions.push(p as i32);
-            let block = table[bs.index(p)] as usize;
+        let first = kv_len - query_len;
+        self.positions.extend((first..kv_len).map(|p| p as i32));
+        // Block by block: each block's slots are a range, which extends like a `memcpy`.
+        let mut p = first;
+        while p < kv_len {
+            let end = kv_len.min((bs.index(p) + 1) * bs.get());
+            let slot = table[bs.index(p)] as usize * bs.get() + bs.offset(p);
             self.slot_mapping
-                .push((block * bs.get() + bs.offset(p)) as i32);
+                .extend((slot..slot + (end - p)).map(|s| s as i32));
+            p = end;
         }
         self.qo_indptr.push(self.positions.len() as i32);
     }
