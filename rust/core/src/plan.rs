@@ -137,15 +137,23 @@ impl Plan {
         self.kv_last_page_len
             .push((kv_len - (pages - 1) * bs.get()) as i32);
         let first = kv_len - query_len;
-        self.positions.extend((first..kv_len).map(|p| p as i32));
-        // Block by block: each block's slots are a range, which extends like a `memcpy`.
-        let mut p = first;
-        while p < kv_len {
-            let end = kv_len.min((bs.index(p) + 1) * bs.get());
-            let slot = table[bs.index(p)] as usize * bs.get() + bs.offset(p);
+        if query_len == 1 {
+            // A decode query: one position, one slot.
+            self.positions.push(first as i32);
+            let block = table[bs.index(first)] as usize;
             self.slot_mapping
-                .extend((slot..slot + (end - p)).map(|s| s as i32));
-            p = end;
+                .push((block * bs.get() + bs.offset(first)) as i32);
+        } else {
+            self.positions.extend((first..kv_len).map(|p| p as i32));
+            // Block by block: each block's slots are a range, which extends like a `memcpy`.
+            let mut p = first;
+            while p < kv_len {
+                let end = kv_len.min((bs.index(p) + 1) * bs.get());
+                let slot = table[bs.index(p)] as usize * bs.get() + bs.offset(p);
+                self.slot_mapping
+                    .extend((slot..slot + (end - p)).map(|s| s as i32));
+                p = end;
+            }
         }
         self.qo_indptr.push(self.positions.len() as i32);
     }

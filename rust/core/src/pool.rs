@@ -507,7 +507,7 @@ mod tests {
         block
     }
 
-    /// A pool of 40 blocks: held ones, hashed or not, some shared twice, then its audit.
+    /// A pool of 40 held blocks, hashed or not, some shared twice, their tokens counted stored.
     fn mixed_pool() -> (BlockPool, Vec<BlockId>) {
         let pool = BlockPool::new(40).unwrap();
         let blocks: Vec<_> = (0..40).map(|_| pool.allocate().unwrap()).collect();
@@ -552,7 +552,7 @@ mod tests {
         let mut hits: Vec<_> = blocks.iter().map(|&b| (b, one.state(b))).collect();
         hits.retain(|&(_, state)| state.hashed());
         // A snapshot of an older incarnation.
-        hits[20].1 = BlockState(hits[20].1 .0).fresh().with_hashed(true);
+        hits[20].1 = hits[20].1.fresh().with_hashed(true);
         one.reserve(20).unwrap();
         run.reserve(20).unwrap();
         let mut acquired = (0, 0);
