@@ -96,7 +96,8 @@ impl Decoding {
     }
 
     /// Times the first `step_batch` after each of `iters` fresh admissions: its auto-commit
-    /// confirms the prefill and registers every prompt's full blocks. Admissions are not timed.
+    /// confirms the prefill and registers every prompt's full blocks, and it fills every row of
+    /// the batch's table. Admissions are not timed.
     #[allow(dead_code)] // the manager bench's; the admission bench includes this file too
     pub fn time_first_steps(&mut self, iters: u64) -> Duration {
         let mut elapsed = Duration::ZERO;
