@@ -226,8 +226,8 @@ impl BlockPool {
     /// that is no longer the incarnation it was seen in (same generation, still hashed) or no
     /// longer in the same class (held or cached). Reviving a CACHED block consumes one block
     /// the caller reserved and counts its `fill` tokens as stored again. The LRU lock is taken
-    /// once per chunk of blocks rather than per revival. Returns how many blocks were acquired,
-    /// and how many of them were revived.
+    /// at most once per chunk of blocks (and held for no more than a chunk), not per revival.
+    /// Returns how many blocks were acquired, and how many of them were revived.
     pub(crate) fn acquire_hits(&self, hits: &[(BlockId, BlockState)], fill: u32) -> (usize, usize) {
         let (mut lru, mut revived, mut unsettled) = (None, 0, 0);
         for (acquired, &(block, seen)) in hits.iter().enumerate() {
@@ -242,7 +242,7 @@ impl BlockPool {
                     unsettled += 1;
                 }
             }
-            if unsettled == RUN_CHUNK {
+            if (acquired + 1) % RUN_CHUNK == 0 {
                 self.settle_revivals(lru.take(), unsettled * fill as usize);
                 unsettled = 0;
             }
