@@ -1,11 +1,11 @@
 """Runs the criterion benches of this tree against another revision, interleaved, and prints
 the ratio of each summary figure (medians over the rounds).
 
-The other revision is exported with `git archive` into a scratch folder, this tree's bench
-sources (`benches/**/*.rs`, which use only the public API) are copied over its own, and it is
-built there with its own target folder; then each round runs the baseline's bench binary and
-this tree's, one after the other. A figure is any summary line a bench prints as
-`<what>: <number> us`.
+The other revision is exported with `git archive` into `compare-base-src` in this tree's target
+folder (rewritten each run), this tree's bench sources (`benches/**/*.rs`, which use only the
+public API) are copied over its own, and it is built there with its own target folder; then
+each round runs the baseline's bench binary and this tree's, one after the other. A figure is
+any summary line a bench prints as `<what>: <number> us`.
 
     python benches/compare.py                   # against main: the admission and manager benches
     python benches/compare.py --rev v0.1.0 --bench manager --rounds 5

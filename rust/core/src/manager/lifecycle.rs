@@ -173,14 +173,15 @@ impl BlockManager {
         self.hash_blocks(prefix, s, upto);
         let bs = self.bs.get();
         // A run of registrations (a prefill's commit) fetches the lines of the ones ahead while
-        // it writes this one.
+        // it writes this one. Not the first: it is written at once (and a decode step prefetched
+        // it a pass earlier).
         let prefetch = |i: usize| {
             if i < upto {
                 prefix.prefetch_registration(s.table[i], s.keys[i]);
                 self.gpu.prefetch_state(s.table[i]);
             }
         };
-        (s.registered..s.registered + REGISTRATIONS_AHEAD).for_each(prefetch);
+        (s.registered + 1..s.registered + REGISTRATIONS_AHEAD).for_each(prefetch);
         for i in s.registered..upto {
             prefetch(i + REGISTRATIONS_AHEAD);
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
