@@ -181,6 +181,26 @@ def test_bytes_like_token_ids_are_rejected() -> None:
     assert len(mgr) == 0
 
 
+@pytest.mark.parametrize(
+    ("dtype", "bad"),
+    [(np.int8, -2), (np.int16, -2), (np.int32, -2), (np.int64, -2), (np.int64, 2**32)]
+    + [(np.uint64, 2**32)],
+)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_token_arrays_name_their_first_value_out_of_range(
+    dtype: type, bad: int, strided: bool
+) -> None:
+    values = np.array([5, bad, 7, bad + 1], dtype=dtype)
+    if strided:
+        values = np.repeat(values, 2)[::2]
+    mgr = BlockManager(8, 2)
+    with pytest.raises(ValueError, match=rf"^token ids must be in \[0, 2\*\*32\), got {bad}$"):
+        mgr.allocate(1, values)
+    assert len(mgr) == 0
+    mgr.allocate(1, values[:1])
+    assert mgr.token_ids(1).tolist() == [5]
+
+
 def test_huge_sequence_id_is_out_of_range_not_a_non_int() -> None:
     mgr = BlockManager(8, 2)
     with pytest.raises(ValueError, match=rf"sequence id must be in \[0, 2\*\*64\), got {2**200}"):

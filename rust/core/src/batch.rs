@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::plan::Plan;
-use crate::sequence::{shard_bit, Member};
+use crate::sequence::{shard_bit, LockedBatch, Member, Sequence, ShardLocks};
 use crate::{BlockId, Error, SeqId};
 
 /// The narrowest table a batch lays out (columns); it doubles when a row needs more.
@@ -29,6 +29,12 @@ const PAD: i32 = -1;
 ///
 /// The input arrays describe the last step; adding or removing a row empties them until the
 /// next step.
+///
+/// A step checks each row's sequence as [`crate::BlockManager::step`] does, reading it in the
+/// manager, except a row whose sequence the batch's last step left with nothing in flight and
+/// that no other operation could have touched since (no other call locked its shard of the
+/// manager's sequences): its checks are made on what the batch kept. A batch stepped alone
+/// (its rows' shards untouched between steps) reads most sequences once per step.
 #[derive(Debug)]
 pub struct Batch {
     ids: Vec<SeqId>,
@@ -41,6 +47,9 @@ pub struct Batch {
     table: Vec<i32>,
     updates: TableUpdates,
     pub(crate) inputs: Plan,
+    /// The lock counts of the shards the last step locked: a shard nothing else locked since
+    /// holds its rows' sequences exactly as that step left them.
+    locks: Option<ShardLocks>,
 }
 
 /// What a batch knows of a row's sequence since its last step.
@@ -48,12 +57,29 @@ pub struct Batch {
 struct Row {
     /// Where the sequence was last found (a hint: checked before use).
     member: Option<Member>,
-    /// The table version the row mirrors (0: none yet).
+    /// The table version the row mirrors (0: none yet, the row was not stepped).
     epoch: u64,
     /// Entries of the row that hold blocks; the rest are -1.
     pages: usize,
+    /// The row's last block (its entry `pages - 1`), which the step's slot is in.
+    last: BlockId,
     /// Tokens of the sequence as of the last step.
     len: usize,
+    /// Full blocks the sequence had registered as of the last step.
+    registered: usize,
+    /// The sequence was quiet ([`Sequence::is_quiet`]) after the last step.
+    quiet: bool,
+}
+
+/// A row's sequence as the batch's last step left it, known unchanged since.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settled {
+    /// Tokens, all planned.
+    pub(crate) len: usize,
+    /// Blocks in the table.
+    pub(crate) pages: usize,
+    /// Full blocks registered.
+    pub(crate) registered: usize,
 }
 
 /// The table entries written since the log was last cleared: flat positions `row * width +
@@ -91,6 +117,7 @@ impl Batch {
             table: Vec::new(),
             updates: TableUpdates::default(),
             inputs,
+            locks: None,
         }
     }
 
@@ -241,6 +268,39 @@ impl Batch {
         self.rows[row].member
     }
 
+    /// The shards of `batch` that nothing else locked since this batch's last step.
+    pub(crate) fn untouched(&self, batch: &LockedBatch<'_>) -> u32 {
+        self.locks
+            .as_ref()
+            .map_or(0, |locks| batch.untouched(locks))
+    }
+
+    /// Row `row`'s sequence as the last step left it, if that step stepped the row, left its
+    /// sequence quiet, and its shard is in `untouched`.
+    #[inline(always)]
+    pub(crate) fn settled(&self, row: usize, untouched: u32) -> Option<Settled> {
+        let r = &self.rows[row];
+        let member = r.member?;
+        (r.quiet && r.epoch != 0 && untouched & member.shard_bit() != 0).then_some(Settled {
+            len: r.len,
+            pages: r.pages,
+            registered: r.registered,
+        })
+    }
+
+    /// Records what a step left of row `row`'s sequence `s`, after its table was synced.
+    #[inline(always)]
+    pub(crate) fn settle(&mut self, row: usize, s: &Sequence) {
+        let r = &mut self.rows[row];
+        r.registered = s.registered;
+        r.quiet = s.is_quiet();
+    }
+
+    /// Records the lock counts of a step's shards, once the step succeeded.
+    pub(crate) fn stepped(&mut self, batch: &LockedBatch<'_>) {
+        self.locks = Some(batch.locks());
+    }
+
     /// Remembers where row `row`'s sequence is.
     pub(crate) fn found(&mut self, row: usize, member: Member) {
         self.rows[row].member = Some(member);
@@ -285,8 +345,9 @@ impl Batch {
             return;
         }
         if r.epoch == epoch && r.pages + 1 == blocks.len() {
-            r.pages += 1;
-            self.set(row, blocks.len() - 1, blocks[blocks.len() - 1] as i32);
+            let (col, last) = (r.pages, blocks[r.pages]);
+            (r.pages, r.last) = (col + 1, last);
+            self.set(row, col, last as i32);
             return;
         }
         self.sync_whole_row(row, blocks, epoch);
@@ -298,19 +359,46 @@ impl Batch {
         let Row {
             epoch: seen, pages, ..
         } = self.rows[row];
-        let from = if seen == epoch {
-            pages.min(blocks.len())
+        if pages == 0 {
+            // An empty row (all -1: one just added, or emptied): its blocks go in as one run.
+            self.fill_row(row, blocks);
         } else {
-            0
-        };
-        for (col, &block) in blocks.iter().enumerate().skip(from) {
-            self.set(row, col, block as i32);
+            let from = if seen == epoch {
+                pages.min(blocks.len())
+            } else {
+                0
+            };
+            for (col, &block) in blocks.iter().enumerate().skip(from) {
+                self.set(row, col, block as i32);
+            }
+            for col in blocks.len()..pages {
+                self.set(row, col, PAD);
+            }
         }
-        for col in blocks.len()..pages {
-            self.set(row, col, PAD);
+        let r = &mut self.rows[row];
+        r.epoch = epoch;
+        r.pages = blocks.len();
+        r.last = blocks.last().copied().unwrap_or_default();
+    }
+
+    /// Writes the blocks of an empty row (all -1) at once, logging them as a run.
+    fn fill_row(&mut self, row: usize, blocks: &[BlockId]) {
+        let (start, half) = (row * self.width, self.table.len() / 2);
+        let entries = &mut self.table[start..start + blocks.len()];
+        for (entry, &block) in entries.iter_mut().zip(blocks) {
+            *entry = block as i32;
         }
-        self.rows[row].epoch = epoch;
-        self.rows[row].pages = blocks.len();
+        let updates = &mut self.updates;
+        if updates.full {
+            return;
+        }
+        if updates.index.len() + blocks.len() > half {
+            self.log_full();
+            return;
+        }
+        let at = start as i64;
+        updates.index.extend(at..at + blocks.len() as i64);
+        updates.blocks.extend_from_slice(entries);
     }
 
     /// Writes one entry, logging it if it changed.
@@ -338,8 +426,8 @@ impl Batch {
         self.updates.blocks.clear();
     }
 
-    /// Writes the step's attention inputs from the rows (their lengths, and their last blocks in
-    /// the table), with blocks of `bs` tokens; the copies were handed over row by row.
+    /// Writes the step's attention inputs from the rows (their lengths and last blocks), with
+    /// blocks of `bs` tokens; the copies were handed over row by row.
     pub(crate) fn write_inputs(&mut self, bs: BlockSize) {
         let n = self.rows.len();
         let inputs = &mut self.inputs;
@@ -359,17 +447,14 @@ impl Batch {
             .iter_mut()
             .zip(&mut inputs.kv_last_page_len);
         let tokens = inputs.positions.iter_mut().zip(&mut inputs.slot_mapping);
-        let entries = self.table.chunks_exact(self.width.max(1));
-        for ((row, entries), ((end, last), (position, slot))) in
-            self.rows.iter().zip(entries).zip(ends.zip(tokens))
-        {
+        for (row, ((end, last), (position, slot))) in self.rows.iter().zip(ends.zip(tokens)) {
             let p = row.len - 1;
             let offset = bs.offset(p);
             nnz += row.pages as i32;
             *end = nnz;
             *last = offset as i32 + 1;
             *position = p as i32;
-            *slot = (entries[row.pages - 1] as usize * bs.get() + offset) as i32;
+            *slot = (row.last as usize * bs.get() + offset) as i32;
         }
         for (q, i) in inputs.qo_indptr.iter_mut().zip(0..) {
             *q = i;
@@ -424,6 +509,27 @@ mod tests {
         assert_eq!(batch.updates().index, vec![1, 2]);
         assert_eq!(batch.updates().blocks, vec![3, -1]);
         assert_eq!(&entries(&batch)[0][..4], &[4, 3, -1, -1]);
+        // An empty row fills as one run, or marks the log full past half the table.
+        batch.add(11).unwrap();
+        batch.clear_updates();
+        batch.sync_row(2, &[7, 2], 3, 1);
+        assert_eq!(batch.updates().index, vec![32, 33]);
+        assert_eq!(batch.updates().blocks, vec![7, 2]);
+        batch.add(12).unwrap();
+        batch.sync_row(3, &(0..10).collect::<Vec<_>>(), 4, 1);
+        assert_eq!(batch.updates().index.len(), 12);
+        assert_eq!(
+            &entries(&batch)[3][..11],
+            &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, -1]
+        );
+        let mut two = batch_of(&[1, 2], 1);
+        two.clear_updates();
+        let ten: Vec<BlockId> = (0..10).collect();
+        two.sync_row(0, &ten, 1, 1);
+        assert_eq!(two.updates().index.len(), 10);
+        two.sync_row(1, &ten, 2, 1);
+        assert!(two.updates().full && two.updates().index.is_empty());
+        assert_eq!(&entries(&two)[1][..11], &entries(&batch)[3][..11]);
     }
 
     #[test]

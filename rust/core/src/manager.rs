@@ -126,7 +126,7 @@ impl BlockManager {
 
     /// The sequence's GPU block table.
     pub fn block_table(&self, seq: SeqId) -> Result<Vec<BlockId>, Error> {
-        let mut one = self.seqs.lock_one(seq);
+        let one = self.seqs.read_one(seq);
         let s = one.get().ok_or(Error::UnknownSequence(seq))?;
         if s.swapped {
             return Err(Error::SwappedOut(seq));
@@ -136,19 +136,19 @@ impl BlockManager {
 
     /// Number of tokens in the sequence.
     pub fn num_tokens(&self, seq: SeqId) -> Result<usize, Error> {
-        let mut one = self.seqs.lock_one(seq);
+        let one = self.seqs.read_one(seq);
         Ok(one.get().ok_or(Error::UnknownSequence(seq))?.tokens.len())
     }
 
     /// The sequence's tokens.
     pub fn tokens(&self, seq: SeqId) -> Result<Vec<Token>, Error> {
-        let mut one = self.seqs.lock_one(seq);
+        let one = self.seqs.read_one(seq);
         Ok(one.get().ok_or(Error::UnknownSequence(seq))?.tokens.clone())
     }
 
     /// Whether `seq` is live (on the GPU or swapped out).
     pub fn contains(&self, seq: SeqId) -> bool {
-        self.seqs.lock_one(seq).get().is_some()
+        self.seqs.read_one(seq).get().is_some()
     }
 
     /// Number of live sequences.

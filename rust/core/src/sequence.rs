@@ -15,8 +15,6 @@ const SHARDS: usize = 32;
 const _: () = assert!(SHARDS.is_power_of_two() && SHARDS <= u32::BITS as usize);
 /// The shift that leaves the top `log2(SHARDS)` bits of a 64-bit hash.
 const SHARD_SHIFT: u32 = u64::BITS - SHARDS.trailing_zeros();
-/// The mask of every shard.
-const ALL_SHARDS: u32 = ((1u64 << SHARDS) - 1) as u32;
 
 /// One sequence: its tokens, its block table, the hashes of its full blocks and where its KV
 /// stands in the lifecycle (pending -> computed). `repr(C)` keeps what a decode step reads for
@@ -119,6 +117,18 @@ impl Sequence {
         }
     }
 
+    /// Whether nothing but decoding is in flight: no copies, loads or swaps, and a tail held
+    /// by this sequence alone. A decode step of a quiet sequence checks only its length (and
+    /// its blocks to register).
+    pub(crate) fn is_quiet(&self) -> bool {
+        self.copying.is_empty()
+            && self.copies.is_empty()
+            && self.loading.is_none()
+            && self.swap_source.is_none()
+            && !self.swapped
+            && !self.shared_tail
+    }
+
     /// Whether a swap-in's copy is not confirmed yet: until it is, the sequence's blocks are
     /// not registered through it.
     pub(crate) fn swap_in_pending(&self) -> bool {
@@ -163,6 +173,9 @@ pub(crate) struct Shard {
     slot_of: HashMap<SeqId, u32, BuildHasherDefault<SeqIdHasher>>,
     slots: Vec<Option<(SeqId, Sequence)>>,
     vacant: Vec<u32>,
+    /// Times the shard was locked (counted under the lock): every operation reaches its
+    /// sequences through a lock, so an unchanged count means unchanged sequences.
+    locks: u64,
 }
 
 impl Shard {
@@ -184,6 +197,11 @@ impl Shard {
     fn get(&mut self, id: SeqId) -> Option<&mut Sequence> {
         let slot = self.slot(id)?;
         Some(self.at(slot))
+    }
+
+    fn get_ref(&self, id: SeqId) -> Option<&Sequence> {
+        let (_, seq) = self.slots[self.slot(id)? as usize].as_ref()?;
+        Some(seq)
     }
 
     /// Adds `id`, which is not live.
@@ -216,6 +234,18 @@ impl Shard {
 pub(crate) struct SequenceMap {
     shards: Box<[Mutex<Shard>]>,
     len: AtomicUsize,
+    /// Unique to this map in the process, so lock counts of one map are never taken for
+    /// another's.
+    id: u64,
+}
+
+/// The lock counts of a batch's shards when it locked them (see [`LockedBatch::locks`]).
+#[derive(Clone, Debug)]
+pub(crate) struct ShardLocks {
+    map: u64,
+    /// The shards locked.
+    mask: u32,
+    counts: [u64; SHARDS],
 }
 
 fn shard_of(id: SeqId) -> usize {
@@ -230,9 +260,11 @@ pub(crate) fn shard_bit(id: SeqId) -> u32 {
 impl SequenceMap {
     /// No sequences.
     pub(crate) fn new() -> SequenceMap {
+        static MAPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         SequenceMap {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             len: AtomicUsize::new(0),
+            id: MAPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -249,15 +281,26 @@ impl SequenceMap {
     /// Locks the one shard holding `id`.
     pub(crate) fn lock_one(&self, id: SeqId) -> LockedSeq<'_> {
         LockedSeq {
-            shard: lock(&self.shards[shard_of(id)]),
+            shard: self.lock_shard(shard_of(id)),
             id,
             len: &self.len,
         }
     }
 
-    /// Locks every shard, for an audit.
-    pub(crate) fn lock_all(&self) -> LockedBatch<'_> {
-        self.lock_shards(ALL_SHARDS)
+    /// Locks the one shard holding `id` to read it: not counted as a lock, since nothing
+    /// can change through it.
+    pub(crate) fn read_one(&self, id: SeqId) -> ReadSeq<'_> {
+        ReadSeq {
+            shard: lock(&self.shards[shard_of(id)]),
+            id,
+        }
+    }
+
+    /// Locks every shard to read them (an audit), uncounted like [`SequenceMap::read_one`].
+    pub(crate) fn read_all(&self) -> ReadAll<'_> {
+        ReadAll {
+            shards: self.shards.iter().map(lock).collect(),
+        }
     }
 
     /// Locks the shards in `mask` (bits from [`shard_bit`]), in shard order.
@@ -265,13 +308,21 @@ impl SequenceMap {
         let mut guards: [Option<MutexGuard<'_, Shard>>; SHARDS] = std::array::from_fn(|_| None);
         while mask != 0 {
             let shard = mask.trailing_zeros() as usize;
-            guards[shard] = Some(lock(&self.shards[shard]));
+            guards[shard] = Some(self.lock_shard(shard));
             mask &= mask - 1;
         }
         LockedBatch {
             guards,
             len: &self.len,
+            map: self.id,
         }
+    }
+
+    /// Locks one shard, counting the lock.
+    fn lock_shard(&self, shard: usize) -> MutexGuard<'_, Shard> {
+        let mut guard = lock(&self.shards[shard]);
+        guard.locks += 1;
+        guard
     }
 }
 
@@ -279,6 +330,7 @@ impl SequenceMap {
 pub(crate) struct LockedBatch<'a> {
     guards: [Option<MutexGuard<'a, Shard>>; SHARDS],
     len: &'a AtomicUsize,
+    map: u64,
 }
 
 /// Where a live member of a batch is: found once, then reached without a lookup.
@@ -286,6 +338,13 @@ pub(crate) struct LockedBatch<'a> {
 pub(crate) struct Member {
     shard: u8,
     slot: u32,
+}
+
+impl Member {
+    /// The bit of the member's shard in a shard mask.
+    pub(crate) fn shard_bit(self) -> u32 {
+        1 << self.shard
+    }
 }
 
 impl LockedBatch<'_> {
@@ -323,6 +382,41 @@ impl LockedBatch<'_> {
             .at(member.slot)
     }
 
+    /// The lock counts of the locked shards, for [`LockedBatch::untouched`] in a later batch.
+    pub(crate) fn locks(&self) -> ShardLocks {
+        let mut mask = 0;
+        let counts = std::array::from_fn(|shard| match &self.guards[shard] {
+            Some(guard) => {
+                mask |= 1 << shard;
+                guard.locks
+            }
+            None => 0,
+        });
+        ShardLocks {
+            map: self.map,
+            mask,
+            counts,
+        }
+    }
+
+    /// The mask of locked shards that nothing else locked since `seen` (this batch's lock is
+    /// the one more): their sequences are exactly as `seen`'s batch left them.
+    pub(crate) fn untouched(&self, seen: &ShardLocks) -> u32 {
+        if seen.map != self.map {
+            return 0;
+        }
+        let mut mask = 0;
+        for (shard, guard) in self.guards.iter().enumerate() {
+            if guard
+                .as_ref()
+                .is_some_and(|g| g.locks == seen.counts[shard] + 1)
+            {
+                mask |= 1 << shard;
+            }
+        }
+        mask & seen.mask
+    }
+
     /// The sequence, if live.
     pub(crate) fn get(&mut self, id: SeqId) -> Option<&mut Sequence> {
         self.shard(id).get(id)
@@ -338,10 +432,30 @@ impl LockedBatch<'_> {
         self.shard(id).insert(id, seq);
         self.len.fetch_add(1, Ordering::Relaxed);
     }
+}
 
-    /// Every sequence in the locked shards.
+/// One shard locked to read one sequence.
+pub(crate) struct ReadSeq<'a> {
+    shard: MutexGuard<'a, Shard>,
+    id: SeqId,
+}
+
+impl ReadSeq<'_> {
+    /// The sequence, if live.
+    pub(crate) fn get(&self) -> Option<&Sequence> {
+        self.shard.get_ref(self.id)
+    }
+}
+
+/// Every shard, locked to read them.
+pub(crate) struct ReadAll<'a> {
+    shards: Vec<MutexGuard<'a, Shard>>,
+}
+
+impl ReadAll<'_> {
+    /// Every live sequence.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&SeqId, &Sequence)> {
-        self.guards.iter().flatten().flat_map(|shard| shard.iter())
+        self.shards.iter().flat_map(|shard| shard.iter())
     }
 }
 

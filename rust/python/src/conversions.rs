@@ -110,7 +110,6 @@ pub(crate) fn integer<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> 
 pub(crate) fn integers<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<T>> {
     let out_of_range =
         |v: i128| PyValueError::new_err(format!("{what} must be in {}, got {v}", T::RANGE));
-    let in_range = |v: i128| (0..=i128::from(T::MAX)).contains(&v);
     if let Ok(array) = obj.downcast::<PyUntypedArray>() {
         if array.ndim() != 1 {
             return Err(PyValueError::new_err(format!(
@@ -123,10 +122,13 @@ pub(crate) fn integers<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Ve
                 if array.dtype().is_equiv_to(&numpy::dtype::<$t>(obj.py())) {
                     let typed = array.downcast::<PyArray1<$t>>()?.readonly();
                     let values = typed.as_array();
-                    if let Some(&bad) = values.iter().find(|&&v| !in_range(v as i128)) {
-                        return Err(out_of_range(bad as i128));
+                    // A contiguous array (the usual case) is read as a slice, which the
+                    // compiler vectorizes; a strided view element by element.
+                    return match values.as_slice() {
+                        Some(slice) => narrow_all(slice, |&v: &$t| v as i128),
+                        None => narrow_all(&values, |&v: &$t| v as i128),
                     }
-                    return Ok(values.iter().map(|&v| T::narrow(v as u64)).collect());
+                    .map_err(out_of_range);
                 }
             )*};
         }
@@ -159,6 +161,24 @@ pub(crate) fn integers<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Ve
         values.push(integer(&item?, what)?);
     }
     Ok(values)
+}
+
+/// Every value of `values` as `T`, or the first one outside `[0, T::MAX]` (widened by `wide`).
+/// The range check folds over every value without stopping early, so it vectorizes.
+fn narrow_all<'a, S: 'a, T: Id>(
+    values: impl IntoIterator<Item = &'a S> + Copy,
+    wide: impl Fn(&S) -> i128,
+) -> Result<Vec<T>, i128> {
+    let outside = |v: &S| !(0..=i128::from(T::MAX)).contains(&wide(v));
+    if values.into_iter().fold(false, |any, v| any | outside(v)) {
+        if let Some(bad) = values.into_iter().find(|&v| outside(v)) {
+            return Err(wide(bad));
+        }
+    }
+    Ok(values
+        .into_iter()
+        .map(|v| T::narrow(wide(v) as u64))
+        .collect())
 }
 
 /// Token ids: a 1-D integer array or a sequence of ints.

@@ -11,7 +11,7 @@ impl BlockManager {
     /// membership, prefix map <-> hashed blocks, token counts, the KV lifecycle); reports the
     /// first violation.
     pub fn check(&self) -> Result<(), Error> {
-        let batch = self.seqs.lock_all();
+        let batch = self.seqs.read_all();
         let regions = self.prefix.as_ref().map(|p| p.lock_all());
         let gpu = self.gpu.audit();
         let cpu = self.cpu.audit();

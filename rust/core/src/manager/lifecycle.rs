@@ -76,7 +76,7 @@ impl BlockManager {
 
     /// Tokens of the sequence whose KV is computed.
     pub fn num_computed(&self, seq: SeqId) -> Result<usize, Error> {
-        let mut one = self.seqs.lock_one(seq);
+        let one = self.seqs.read_one(seq);
         Ok(one.get().ok_or(Error::UnknownSequence(seq))?.computed)
     }
 

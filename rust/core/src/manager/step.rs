@@ -2,7 +2,7 @@
 //! same for a persistent [`Batch`]) and `plan` (any batch), with the copy-on-write of a shared
 //! last block.
 
-use crate::batch::Batch;
+use crate::batch::{Batch, Settled};
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::manager::taking::Takes;
@@ -79,20 +79,31 @@ impl BlockManager {
         one_each(R::CALL, n, tokens.len(), "tokens")?;
         let stamp = (!R::DISTINCT).then(|| self.next_stamp());
         let mut batch = rows.lock(&self.seqs);
+        let untouched = rows.untouched(&batch);
         let (mut needed, mut new_blocks, mut copying, mut nnz, mut widest) = (0, 0, false, 0, 0);
         for row in 0..n {
-            let s = rows.visit(&mut batch, row, stamp)?;
-            decodable(rows.id(row), s)?;
-            self.prepare_commit(s);
+            // A row whose sequence is as the batch's last step left it is checked from what
+            // the batch kept; any other is found and checked in full.
+            let settled = rows
+                .settled(row, untouched)
+                .filter(|r| self.decodes_as_settled(r));
+            let (len, pages, copy) = match settled {
+                Some(r) => (r.len, r.pages, false),
+                None => {
+                    let s = rows.visit(&mut batch, row, stamp)?;
+                    decodable(rows.id(row), s)?;
+                    self.prepare_commit(s);
+                    copying |= !s.copying.is_empty();
+                    (s.tokens.len(), s.table.len(), self.must_copy_tail(s))
+                }
+            };
             // A sequence's table has exactly the pages of its tokens, so the token takes a new
             // block exactly when the last one is full.
-            let new_block = usize::from(self.bs.offset(s.tokens.len()) == 0);
-            let pages = s.table.len() + new_block;
-            nnz += pages;
-            widest = widest.max(pages);
+            let new_block = usize::from(self.bs.offset(len) == 0);
+            nnz += pages + new_block;
+            widest = widest.max(pages + new_block);
             new_blocks += new_block;
-            needed += new_block + usize::from(self.must_copy_tail(s));
-            copying |= !s.copying.is_empty();
+            needed += new_block + usize::from(copy);
         }
         // Members with copies in flight are committed first: a completed copy releases its
         // source, which may be another member's tail that then needs no copy-on-write, so
@@ -117,18 +128,54 @@ impl BlockManager {
         // Every new block is taken; copies may turn out unneeded (a holder let go meanwhile).
         let (mut takes, mut computed) = (Takes::at_least(new_blocks), 0);
         for (row, &token) in tokens.iter().enumerate() {
+            let settled =
+                (rows.settled(row, untouched)).is_some_and(|r| self.decodes_as_settled(&r));
             let s = batch.at(rows.member(row));
-            computed += self.auto_commit(s);
-            self.append_token(s, token, &mut takes);
-            rows.push(row, s, self.bs);
+            if settled {
+                computed += self.append_settled(s, token, &mut takes);
+                rows.push_settled(row, s, self.bs);
+            } else {
+                computed += self.auto_commit(s);
+                self.append_token(s, token, &mut takes);
+                rows.push(row, s, self.bs);
+            }
         }
-        rows.finish(self.bs);
+        rows.finish(&batch, self.bs);
         self.settle(computed);
         self.count_evictions(takes.evictions);
         self.gpu.unreserve(needed - takes.blocks);
         self.gpu.add_stored(n);
         Counters::add(&self.counters.pending_tokens, n as u64);
         Ok(())
+    }
+
+    /// Whether a settled sequence (quiet, all tokens planned) decodes with no check but its
+    /// length: it has room for a token and no block for this step's auto-commit to register.
+    #[inline(always)]
+    fn decodes_as_settled(&self, r: &Settled) -> bool {
+        let registers =
+            self.prefix.is_some() && self.config.auto_commit && self.bs.index(r.len) > r.registered;
+        r.len < MAX_TOKENS && !registers
+    }
+
+    /// The auto-commit and the append of a settled sequence (see
+    /// [`BlockManager::decodes_as_settled`]), which read only what they write: the commit
+    /// completes no copy and registers no block, and the append copies no tail. Returns the
+    /// tokens that became computed.
+    #[inline(always)]
+    fn append_settled(&self, s: &mut Sequence, token: Token, takes: &mut Takes) -> u64 {
+        debug_assert!(s.is_quiet() && s.planned == s.tokens.len());
+        let mut computed = 0;
+        if self.config.auto_commit {
+            computed = (s.planned - s.computed) as u64;
+            s.computed = s.planned;
+        }
+        let full = self.bs.offset(s.tokens.len()) == 0;
+        s.tokens.push(token);
+        if full {
+            s.table.push(self.take(takes));
+        }
+        computed
     }
 
     /// Prepares what this step's auto-commit of `s` will write, when its last plan filled a
@@ -320,6 +367,11 @@ trait DecodeRows {
     fn remember(&mut self, row: usize, member: Member);
     /// Locks the shards of every row's sequence.
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m>;
+    /// The locked shards nothing else locked since these rows' last step.
+    fn untouched(&self, batch: &LockedBatch<'_>) -> u32;
+    /// Row `row`'s sequence as the rows' last step left it, if it is known unchanged since
+    /// (its shard in `untouched`) and was quiet.
+    fn settled(&self, row: usize, untouched: u32) -> Option<Settled>;
     /// Makes room for rows of up to `pages` blocks, before anything changes.
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
     /// Starts the inputs: `nnz` pages in all.
@@ -327,8 +379,10 @@ trait DecodeRows {
     /// Adds row `row`'s inputs after its append (or what `finish` needs for them), and hands
     /// over its copies.
     fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
-    /// Completes the inputs once every row was pushed.
-    fn finish(&mut self, bs: BlockSize);
+    /// [`DecodeRows::push`] of a settled row (no copies to hand over, still quiet).
+    fn push_settled(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
+    /// Completes the inputs once every row was pushed, and records the step's shards.
+    fn finish(&mut self, batch: &LockedBatch<'_>, bs: BlockSize);
 
     fn len(&self) -> usize {
         self.seqs().len()
@@ -377,6 +431,12 @@ impl DecodeRows for Listed<'_> {
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m> {
         seqs.lock(self.seqs)
     }
+    fn untouched(&self, _batch: &LockedBatch<'_>) -> u32 {
+        0
+    }
+    fn settled(&self, _row: usize, _untouched: u32) -> Option<Settled> {
+        None
+    }
     fn fit(&mut self, _pages: usize) -> Result<(), Error> {
         Ok(())
     }
@@ -388,7 +448,10 @@ impl DecodeRows for Listed<'_> {
         self.plan.push(&s.table, s.tokens.len(), 1, bs);
         hand_over_copies(s, self.plan);
     }
-    fn finish(&mut self, _bs: BlockSize) {}
+    fn push_settled(&mut self, row: usize, s: &mut Sequence, bs: BlockSize) {
+        self.push(row, s, bs);
+    }
+    fn finish(&mut self, _batch: &LockedBatch<'_>, _bs: BlockSize) {}
 }
 
 /// A persistent batch: the table rows change only where blocks changed.
@@ -407,6 +470,13 @@ impl DecodeRows for Batch {
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m> {
         seqs.lock_shards(self.shards())
     }
+    fn untouched(&self, batch: &LockedBatch<'_>) -> u32 {
+        Batch::untouched(self, batch)
+    }
+    #[inline(always)]
+    fn settled(&self, row: usize, untouched: u32) -> Option<Settled> {
+        Batch::settled(self, row, untouched)
+    }
     fn fit(&mut self, pages: usize) -> Result<(), Error> {
         Batch::fit(self, pages)
     }
@@ -417,9 +487,16 @@ impl DecodeRows for Batch {
     fn push(&mut self, row: usize, s: &mut Sequence, _bs: BlockSize) {
         self.sync_row(row, &s.table, s.epoch, s.tokens.len());
         hand_over_copies(s, &mut self.inputs);
+        self.settle(row, s);
     }
-    fn finish(&mut self, bs: BlockSize) {
+    #[inline]
+    fn push_settled(&mut self, row: usize, s: &mut Sequence, _bs: BlockSize) {
+        self.sync_row(row, &s.table, s.epoch, s.tokens.len());
+        s.planned = s.tokens.len();
+    }
+    fn finish(&mut self, batch: &LockedBatch<'_>, bs: BlockSize) {
         self.write_inputs(bs);
+        self.stepped(batch);
     }
 }
 
@@ -427,7 +504,7 @@ impl DecodeRows for Batch {
 mod tests {
     use super::*;
     use crate::manager::testing::*;
-    use crate::{Config, Plan};
+    use crate::{Config, Plan, Token};
 
     #[test]
     fn a_failed_plan_leaves_it_empty() {
@@ -447,6 +524,121 @@ mod tests {
         assert_eq!(plan.batch_size(), 0);
         assert!(plan.block_tables().unwrap().is_empty());
         mgr.check().unwrap();
+    }
+
+    /// An operation on a manager, between two steps of a batch.
+    type Op = fn(&BlockManager);
+
+    /// A persistent batch that checks only what its last step left (rows in shards nothing
+    /// else locked since) decides exactly as a new batch, which checks every row, whatever
+    /// other operations run between its steps.
+    #[test]
+    fn a_kept_batch_decides_as_a_new_one() {
+        let ops: [(&str, Op); 14] = [
+            ("nothing", |_| {}),
+            ("nothing again", |_| {}),
+            ("append", |m| m.append(2, &[7]).unwrap()),
+            ("plan the append", |m| {
+                prefill(m, &[2]);
+            }),
+            ("fork", |m| m.fork(1, 9).unwrap()),
+            ("free the fork", |m| m.free(9).unwrap()),
+            ("swap out", |m| drop(m.swap_out(&[3]).unwrap())),
+            ("confirm it", |m| m.confirm_swap_out(&[3]).unwrap()),
+            ("swap in", |m| {
+                m.swap_in(&[3]).unwrap();
+                m.confirm_swap_in(&[3]).unwrap();
+            }),
+            ("replace", |m| {
+                m.free(2).unwrap();
+                m.allocate(2, &[5, 6, 7, 8, 9], None).unwrap();
+                prefill(m, &[2]);
+            }),
+            ("replan", |m| {
+                let mut plan = Plan::new();
+                m.plan(&[1], &[2], &mut plan).unwrap();
+            }),
+            ("commit", |m| m.commit(&[1, 2, 3], None).unwrap()),
+            ("reset", |m| m.reset_prefix_cache()),
+            ("nothing at last", |_| {}),
+        ];
+        // Without prefix caching, and with it (a row with a block to register is checked in
+        // full); each operation runs at several offsets into a block.
+        for (caching, steps) in [(false, 3), (false, 5), (true, 3), (true, 5)] {
+            kept_decides_as_fresh(&ops, caching, steps);
+        }
+    }
+
+    /// [`a_kept_batch_decides_as_a_new_one`] with `steps` steps after each operation.
+    fn kept_decides_as_fresh(ops: &[(&str, Op)], caching: bool, steps: usize) {
+        let managers = [(); 2].map(|_| {
+            let m = manager(64, 4, |c| {
+                c.num_cpu_blocks = 32;
+                c.enable_prefix_caching = caching;
+            });
+            for seq in 1..=3 {
+                m.allocate(seq, &[seq as Token; 6], None).unwrap();
+            }
+            prefill(&m, &[1, 2, 3]);
+            m
+        });
+        let [kept_mgr, fresh_mgr] = &managers;
+        let mut kept = Batch::new();
+        for seq in 1..=3 {
+            kept.add(seq).unwrap();
+        }
+        let mut token = 100;
+        for &(name, op) in ops {
+            for step in 0..steps {
+                if step == 0 {
+                    op(kept_mgr);
+                    op(fresh_mgr);
+                }
+                token += 1;
+                let mut fresh = Batch::new();
+                for &seq in kept.seqs() {
+                    fresh.add(seq).unwrap();
+                }
+                let tokens = [token; 3];
+                let (a, b) = (
+                    kept_mgr.step_batch(&mut kept, &tokens),
+                    fresh_mgr.step_batch(&mut fresh, &tokens),
+                );
+                assert_eq!(a, b, "{name}, step {step}, caching {caching}");
+                let (mut pa, mut pb) = (Plan::new(), Plan::new());
+                kept.write_plan(&mut pa);
+                fresh.write_plan(&mut pb);
+                if a.is_ok() {
+                    assert_eq!(pa, pb, "{name}, step {step}, caching {caching}");
+                }
+                fresh_mgr.check().unwrap();
+            }
+        }
+        kept_mgr.check().unwrap();
+        assert_eq!(kept_mgr.stats(), fresh_mgr.stats());
+    }
+
+    /// A batch stepped on one manager and then on another checks every row on the second.
+    #[test]
+    fn a_batch_on_another_manager_checks_every_row() {
+        let [first, second] = [(); 2].map(|_| {
+            let m = manager(16, 4, |c| c.num_cpu_blocks = 8);
+            m.allocate(1, &[1, 2, 3, 4, 5], None).unwrap();
+            prefill(&m, &[1]);
+            m
+        });
+        let mut batch = Batch::new();
+        batch.add(1).unwrap();
+        first.step_batch(&mut batch, &[6]).unwrap();
+        // The second manager's shard was locked as often, plus once by the swap: the step's
+        // lock is one more than the first manager's last step saw.
+        second.swap_out(&[1]).unwrap();
+        assert_eq!(
+            second.step_batch(&mut batch, &[7]),
+            Err(Error::SwappedOut(1))
+        );
+        first.step_batch(&mut batch, &[7]).unwrap();
+        assert_eq!(first.num_tokens(1).unwrap(), 7);
     }
 
     #[test]
