@@ -308,13 +308,23 @@ impl BlockPool {
         prefetch_write(&self.states[block as usize]);
     }
 
-    /// Marks a held block as registered in the prefix cache.
+    /// Marks a held block, not hashed yet, as registered in the prefix cache.
     pub(crate) fn mark_hashed(&self, block: BlockId) {
         // Release: the registration written before (hash, parent, tokens) is visible to lookups
         // that see the flag. Host metadata only: the KV itself is ordered by the GPU streams.
-        let old = self.states[block as usize]
-            .fetch_or(BlockState(0).with_hashed(true).0, Ordering::Release);
-        debug_assert!(BlockState(old).refcount() >= 1);
+        let state = &self.states[block as usize];
+        let current = BlockState(state.load(Ordering::Relaxed));
+        debug_assert!(current.refcount() >= 1 && !current.hashed());
+        if current.refcount() == 1 {
+            // The caller is the block's one holder, so nobody else writes its state until this
+            // store: only holders release or share a held block, eviction takes unheld ones,
+            // and a lookup changes only a hashed state. A store (heading the release sequence
+            // as a read-modify-write would) is no locked instruction; a registration's locked
+            // instructions each wait for the stores before them.
+            state.store(current.with_hashed(true).0, Ordering::Release);
+        } else {
+            state.fetch_or(BlockState(0).with_hashed(true).0, Ordering::Release);
+        }
     }
 
     /// Counts `tokens` newly written into held blocks.

@@ -1,6 +1,7 @@
 //! Loom models of the pool's races: revival against eviction, sharing against the last
-//! release, allocation against release, reset against the last release, and the runs of
-//! releases and revivals against hits and evictions.
+//! release, a registration against another holder's release, allocation against release,
+//! reset against the last release, and the runs of releases and revivals against hits and
+//! evictions.
 
 use super::*;
 use loom::sync::Arc;
@@ -82,6 +83,28 @@ fn share_races_last_release() {
                 assert!(pool.state(block).cached());
             }
         }
+        assert_consistent(&pool);
+    });
+}
+
+/// A registration marks a block that another holder lets go meanwhile: neither change is
+/// lost (a plain store of the hashed flag is only for a block's one holder).
+#[test]
+fn mark_hashed_races_another_holders_release() {
+    loom::model(|| {
+        let pool = Arc::new(BlockPool::new(1).unwrap());
+        let block = pool.allocate().unwrap();
+        pool.share_held(block);
+        let other = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || pool.release_block(block, 0))
+        };
+        pool.mark_hashed(block);
+        assert_eq!(other.join().unwrap(), Released::Held);
+        let state = pool.state(block);
+        assert!(state.hashed());
+        assert_eq!(state.refcount(), 1);
+        assert_eq!(pool.release_block(block, 0), Released::Cached);
         assert_consistent(&pool);
     });
 }
