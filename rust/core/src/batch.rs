@@ -290,14 +290,14 @@ impl Batch {
 
     /// Records what a step left of row `row`'s sequence `s`, after its table was synced.
     #[inline(always)]
-    pub(crate) fn settle(&mut self, row: usize, s: &Sequence) {
+    pub(crate) fn record_row(&mut self, row: usize, s: &Sequence) {
         let r = &mut self.rows[row];
         r.registered = s.registered;
         r.quiet = s.is_quiet();
     }
 
     /// Records the lock counts of a step's shards, once the step succeeded.
-    pub(crate) fn stepped(&mut self, batch: &LockedBatch<'_>) {
+    pub(crate) fn record_locks(&mut self, batch: &LockedBatch<'_>) {
         self.locks = Some(batch.locks());
     }
 
