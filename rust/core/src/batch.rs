@@ -334,7 +334,7 @@ impl Batch {
 
     /// Makes row `row` mirror `blocks`, a table of version `epoch` for `len` tokens: only new
     /// entries when the row already mirrors that version, else the whole row.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn sync_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64, len: usize) {
         debug_assert!(blocks.len() <= self.width, "fit() widened the table");
         let r = &mut self.rows[row];
