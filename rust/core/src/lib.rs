@@ -51,6 +51,7 @@ mod cpu_tier;
 mod error;
 mod events;
 mod free_list;
+mod hash_lanes;
 mod lru;
 mod manager;
 mod plan;

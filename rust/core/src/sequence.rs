@@ -334,7 +334,7 @@ pub(crate) struct LockedBatch<'a> {
 }
 
 /// Where a live member of a batch is: found once, then reached without a lookup.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Member {
     shard: u8,
     slot: u32,

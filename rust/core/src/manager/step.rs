@@ -5,12 +5,13 @@
 use crate::batch::{Batch, Settled};
 use crate::block::BlockSize;
 use crate::error::invalid;
+use crate::hash_lanes::{self, LANES, LANE_TOKENS};
 use crate::manager::taking::Takes;
 use crate::manager::{
     check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager, MAX_TOKENS,
 };
 use crate::plan::Plan;
-use crate::prefix::PrefixCache;
+use crate::prefix::{Chain, PrefixCache};
 use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap};
 use crate::stats::Counters;
 use crate::{Error, SeqId, Token};
@@ -80,6 +81,7 @@ impl BlockManager {
         let stamp = (!R::DISTINCT).then(|| self.next_stamp());
         let mut batch = rows.lock(&self.seqs);
         let untouched = rows.untouched(&batch);
+        let mut to_hash = self.lanes().then(ToHash::default);
         let (mut needed, mut new_blocks, mut copying, mut nnz, mut widest) = (0, 0, false, 0, 0);
         for row in 0..n {
             // A row whose sequence is as the batch's last step left it is checked from what
@@ -92,11 +94,14 @@ impl BlockManager {
                 None => {
                     let s = rows.visit(&mut batch, row, stamp)?;
                     decodable(rows.id(row), s)?;
-                    self.prepare_commit(s);
+                    self.prepare_commit(s, rows.member(row), to_hash.as_mut());
                     copying |= !s.copying.is_empty();
                     (s.tokens.len(), s.table.len(), self.must_copy_tail(s))
                 }
             };
+            if let Some(pending) = to_hash.as_mut().filter(|p| p.n == LANES) {
+                self.hash_together(&mut batch, pending);
+            }
             // A sequence's table has exactly the pages of its tokens, so the token takes a new
             // block exactly when the last one is full.
             let new_block = usize::from(self.bs.offset(len) == 0);
@@ -104,6 +109,9 @@ impl BlockManager {
             widest = widest.max(pages + new_block);
             new_blocks += new_block;
             needed += new_block + usize::from(copy);
+        }
+        if let Some(pending) = &mut to_hash {
+            self.hash_together(&mut batch, pending);
         }
         // Members with copies in flight are committed first: a completed copy releases its
         // source, which may be another member's tail that then needs no copy-on-write, so
@@ -178,25 +186,66 @@ impl BlockManager {
         computed
     }
 
-    /// Prepares what this step's auto-commit of `s` will write, when its last plan filled a
-    /// block: hashes the block now and starts fetching the lines its registration writes, so
+    /// Whether a decode step hashes the blocks it registers together ([`hash_lanes`]).
+    fn lanes(&self) -> bool {
+        self.prefix.is_some() && self.bs.get() == LANE_TOKENS && hash_lanes::available()
+    }
+
+    /// Prepares what this step's auto-commit of `s` (the batch's `member`) will write, when
+    /// its last plan filled a block: hashes the block now, or queues it in `to_hash` when it is
+    /// the one block left to hash, and starts fetching the lines its registration writes, so
     /// the registration, a whole pass later, does not wait on them.
     #[inline(always)]
-    fn prepare_commit(&self, s: &mut Sequence) {
+    fn prepare_commit(&self, s: &mut Sequence, member: Member, to_hash: Option<&mut ToHash>) {
         let Some(prefix) = &self.prefix else {
             return;
         };
         let full = self.bs.index(s.planned);
         if self.config.auto_commit && full > s.registered && s.swap_source.is_none() {
-            self.prepare_registration(prefix, s, full);
+            self.prepare_registration(prefix, s, full, member, to_hash);
         }
     }
 
     /// [`BlockManager::prepare_commit`] of a sequence with blocks to register: kept out of the
     /// per-row loop, which reaches it for about one sequence in `block_size`.
     #[inline(never)]
-    fn prepare_registration(&self, prefix: &PrefixCache, s: &mut Sequence, full: usize) {
-        self.hash_blocks(prefix, s, full);
+    fn prepare_registration(
+        &self,
+        prefix: &PrefixCache,
+        s: &mut Sequence,
+        full: usize,
+        member: Member,
+        to_hash: Option<&mut ToHash>,
+    ) {
+        match to_hash {
+            Some(pending) if s.hashes.len() + 1 == full => pending.push(member, s),
+            _ => {
+                self.hash_blocks(prefix, s, full);
+                self.prefetch_registration(prefix, s);
+            }
+        }
+    }
+
+    /// Hashes the blocks queued in `pending` together, then prefetches their registrations.
+    #[inline(never)]
+    fn hash_together(&self, batch: &mut LockedBatch<'_>, pending: &mut ToHash) {
+        let Some(prefix) = &self.prefix else {
+            return;
+        };
+        let chains = hash_lanes::chains(&pending.parents, &pending.blocks, pending.n);
+        let queued = pending.members.iter().zip(&pending.blocks).zip(chains);
+        for ((&member, block), chain) in queued.take(pending.n) {
+            let s = batch.at(member);
+            s.keys
+                .push(prefix.key_block(s.parent_key(s.hashes.len()), block));
+            s.hashes.push(chain);
+            self.prefetch_registration(prefix, s);
+        }
+        pending.n = 0;
+    }
+
+    /// Starts fetching the lines the registration of `s`'s next block to register writes.
+    fn prefetch_registration(&self, prefix: &PrefixCache, s: &Sequence) {
         let block = s.table[s.registered];
         prefix.prefetch_registration(block, s.keys[s.registered]);
         self.gpu.prefetch_state(block);
@@ -316,6 +365,27 @@ impl BlockManager {
         *last = dst;
         s.table_changed();
         self.gpu.add_stored(fill as usize);
+    }
+}
+
+/// Blocks a decode step's first pass queued to hash together: each the one block its
+/// sequence has left to hash, of [`LANE_TOKENS`] tokens.
+#[derive(Default)]
+struct ToHash {
+    members: [Member; LANES],
+    parents: [Chain; LANES],
+    blocks: [[Token; LANE_TOKENS]; LANES],
+    n: usize,
+}
+
+impl ToHash {
+    /// Queues the next block to hash of `s`, the batch's `member` (at most [`LANES`] queued).
+    fn push(&mut self, member: Member, s: &Sequence) {
+        let i = s.hashes.len();
+        self.members[self.n] = member;
+        self.parents[self.n] = i.checked_sub(1).map_or(s.root, |parent| s.hashes[parent]);
+        self.blocks[self.n].copy_from_slice(&s.tokens[i * LANE_TOKENS..(i + 1) * LANE_TOKENS]);
+        self.n += 1;
     }
 }
 
@@ -504,7 +574,7 @@ impl DecodeRows for Batch {
 mod tests {
     use super::*;
     use crate::manager::testing::*;
-    use crate::{Config, Plan, Token};
+    use crate::{Config, Plan, SeqId, Token};
 
     #[test]
     fn a_failed_plan_leaves_it_empty() {
@@ -617,6 +687,53 @@ mod tests {
             }
         }
         assert_eq!(kept_mgr.stats(), fresh_mgr.stats());
+    }
+
+    /// The blocks a decode step registers together (eight at a time on AVX2, the rest one by
+    /// one) publish the hashes `block_hashes` computes.
+    #[test]
+    fn blocks_hashed_together_publish_their_hashes() {
+        let mgr = manager(256, 16, |c| c.enable_events = true);
+        let seqs: Vec<SeqId> = (1..=11).collect();
+        let prompts: Vec<Vec<Token>> = seqs
+            .iter()
+            .map(|&seq| (0..31).map(|t| (seq as Token) * 1000 + t).collect())
+            .collect();
+        for (&seq, prompt) in seqs.iter().zip(&prompts) {
+            mgr.allocate(seq, prompt, None).unwrap();
+        }
+        let mut batch = Batch::new();
+        for &seq in &seqs {
+            batch.add(seq).unwrap();
+        }
+        prefill(&mgr, &seqs);
+        // The first step commits the prefill (block 0 of each); the one token it adds fills
+        // block 1, which the next step registers: eleven blocks hashed in one first pass.
+        for token in [5, 6] {
+            mgr.step_batch(&mut batch, &vec![token; seqs.len()])
+                .unwrap();
+        }
+        let published: std::collections::HashMap<_, _> = (mgr.take_events().into_iter())
+            .filter_map(|event| match event.kind {
+                crate::EventKind::BlockStored {
+                    block_id,
+                    block_hash,
+                    ..
+                } => Some((block_id, block_hash)),
+                _ => None,
+            })
+            .collect();
+        for (&seq, prompt) in seqs.iter().zip(&prompts) {
+            let tokens: Vec<Token> = prompt.iter().copied().chain([5]).collect();
+            let table = mgr.block_table(seq).unwrap();
+            let hashes: Vec<_> = table[..2].iter().map(|b| published[b]).collect();
+            assert_eq!(
+                hashes,
+                mgr.block_hashes(&tokens, None).unwrap(),
+                "sequence {seq}"
+            );
+        }
+        mgr.check().unwrap();
     }
 
     /// A batch stepped on one manager and then on another checks every row on the second.
