@@ -60,9 +60,9 @@ fn one(parent: &Chain, block: &[Token; LANE_TOKENS]) -> Chain {
 #[cfg(all(target_arch = "x86_64", not(loom)))]
 mod avx2 {
     use std::arch::x86_64::{
-        __m256i, _mm256_add_epi32, _mm256_extract_epi32, _mm256_or_si256, _mm256_set1_epi32,
-        _mm256_setr_epi32, _mm256_setr_epi8, _mm256_shuffle_epi8, _mm256_slli_epi32,
-        _mm256_srli_epi32, _mm256_xor_si256,
+        __m256i, _mm256_add_epi32, _mm256_broadcastsi128_si256, _mm256_extract_epi32,
+        _mm256_or_si256, _mm256_set1_epi32, _mm256_setr_epi32, _mm256_shuffle_epi8,
+        _mm256_slli_epi32, _mm256_srli_epi32, _mm256_xor_si256, _mm_setr_epi8,
     };
 
     use super::{Chain, Token, LANES, LANE_TOKENS};
@@ -178,11 +178,11 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     fn g(s: &mut [Lanes; 16], [a, b, c, d]: [usize; 4], x: Lanes, y: Lanes) {
         s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), x);
-        s[d] = rotate_16(_mm256_xor_si256(s[d], s[a]));
+        s[d] = rotate_bytes(_mm256_xor_si256(s[d], s[a]), ROTATE_16);
         s[c] = _mm256_add_epi32(s[c], s[d]);
         s[b] = rotate::<12, 20>(_mm256_xor_si256(s[b], s[c]));
         s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), y);
-        s[d] = rotate_8(_mm256_xor_si256(s[d], s[a]));
+        s[d] = rotate_bytes(_mm256_xor_si256(s[d], s[a]), ROTATE_8);
         s[c] = _mm256_add_epi32(s[c], s[d]);
         s[b] = rotate::<7, 25>(_mm256_xor_si256(s[b], s[c]));
     }
@@ -195,25 +195,21 @@ mod avx2 {
     }
 
     /// Each word rotated right by 16 bits: a byte shuffle.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn rotate_16(x: Lanes) -> Lanes {
-        let order = _mm256_setr_epi8(
-            2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11,
-            8, 9, 14, 15, 12, 13,
-        );
-        _mm256_shuffle_epi8(x, order)
-    }
+    const ROTATE_16: [i8; 16] = [2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13];
 
     /// Each word rotated right by 8 bits: a byte shuffle.
+    const ROTATE_8: [i8; 16] = [1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12];
+
+    /// Each word rotated by whole bytes: the bytes of each 16-byte half taken in `order`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn rotate_8(x: Lanes) -> Lanes {
-        let order = _mm256_setr_epi8(
-            1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12, 1, 2, 3, 0, 5, 6, 7, 4, 9, 10,
-            11, 8, 13, 14, 15, 12,
+    fn rotate_bytes(x: Lanes, order: [i8; 16]) -> Lanes {
+        let o = order;
+        let half = _mm_setr_epi8(
+            o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11], o[12], o[13],
+            o[14], o[15],
         );
-        _mm256_shuffle_epi8(x, order)
+        _mm256_shuffle_epi8(x, _mm256_broadcastsi128_si256(half))
     }
 }
 
