@@ -183,8 +183,14 @@ def test_bytes_like_token_ids_are_rejected() -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "bad"),
-    [(np.int8, -2), (np.int16, -2), (np.int32, -2), (np.int64, -2), (np.int64, 2**32)]
-    + [(np.uint64, 2**32)],
+    [
+        (np.int8, -2),
+        (np.int16, -2),
+        (np.int32, -2),
+        (np.int64, -2),
+        (np.int64, 2**32),
+        (np.uint64, 2**32),
+    ],
 )
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 def test_token_arrays_name_their_first_value_out_of_range(
