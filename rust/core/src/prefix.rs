@@ -23,6 +23,7 @@ use crate::block::BlockState;
 use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::pool::BlockPool;
 use crate::prefix_map::{PrefixMap, Region};
+use crate::sequence::room_for;
 use crate::sync::{prefetch_write, AtomicU32, AtomicU64, Ordering};
 use crate::{BlockId, Token};
 
@@ -239,20 +240,23 @@ impl PrefixCache {
     }
 
     /// Hashes a prompt for admission: the root and every full block's map key, no lookup yet
-    /// (see [`PromptHashes::find_hits`]). Takes no lock.
+    /// (see [`PromptHashes::find_hits`]). Takes no lock. The vectors become the admitted
+    /// sequence's, so they have room for the blocks it decodes ([`room_for`]).
     pub(crate) fn hash_prompt(&self, tokens: &[Token], salt: Option<&[u8]>) -> PromptHashes {
         let root = self.root(salt);
         let full = tokens.len() / self.block_size;
-        let mut keys = Vec::with_capacity(full);
+        let mut keys = Vec::with_capacity(room_for(full));
         let mut key = root_key(&root);
         for block_tokens in tokens.chunks_exact(self.block_size) {
             key = self.key_block(key, block_tokens);
             keys.push(key);
         }
+        let mut chains = Vec::with_capacity(room_for(full));
+        chains.resize(full, [0; 32]);
         PromptHashes {
             root,
             keys,
-            chains: vec![[0; 32]; full],
+            chains,
             hits: Vec::new(),
             cached_hits: 0,
             computed_from: usize::MAX,

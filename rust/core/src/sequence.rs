@@ -230,6 +230,21 @@ impl Shard {
     }
 }
 
+/// The capacity a sequence's vector of `len` items starts with: twice `len`, what a `Vec`
+/// grows to on its first push past `len`. Decoding then pushes into room reserved where the
+/// sequence was made, instead of reallocating (and copying a whole prompt) under a step's
+/// locks.
+pub(crate) fn room_for(len: usize) -> usize {
+    2 * len
+}
+
+/// A copy of `items` with the capacity of [`room_for`] its length.
+pub(crate) fn with_room<T: Copy>(items: &[T]) -> Vec<T> {
+    let mut copy = Vec::with_capacity(room_for(items.len()));
+    copy.extend_from_slice(items);
+    copy
+}
+
 /// All live sequences.
 pub(crate) struct SequenceMap {
     shards: Box<[Mutex<Shard>]>,
