@@ -31,6 +31,8 @@ use timing::{mean_ns, record, short_runs, show_us};
 use tokens::Tokens;
 
 const BLOCK_SIZE: u32 = 16;
+/// Bytes written between two steps of the cold-cache decode bench.
+const BETWEEN_STEPS: usize = 2 << 20;
 
 fn manager(num_blocks: u32, prefix_caching: bool) -> BlockManager {
     let mut cfg = Config::new(num_blocks, BLOCK_SIZE);
@@ -99,6 +101,16 @@ fn bench_step(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let elapsed = uncached.time(iters, Stepping::Persistent);
             record("step_batch_off", elapsed, iters)
+        })
+    });
+    // The same steps as an engine takes them: between two steps its own work (here 2 MiB
+    // written, more than a core's L2 cache) leaves the sequences' lines cold.
+    let mut cold = Decoding::new(Arc::new(manager(blocks, true)));
+    let mut between = vec![0u64; BETWEEN_STEPS / 8];
+    g.bench_function("step_batch/batch256_cold", |b| {
+        b.iter_custom(|iters| {
+            let elapsed = cold.time_cold(iters, &mut between);
+            record("step_batch_cold", elapsed, iters)
         })
     });
     // The first step after a batch was admitted and prefilled also commits the prefill: it
@@ -217,6 +229,10 @@ fn main() {
     show_us(
         "step_batch_off",
         "step_batch, batch 256, prefix caching off (no registration or eviction)",
+    );
+    show_us(
+        "step_batch_cold",
+        "step_batch, batch 256, 2 MiB written between steps (caches cold, as in an engine)",
     );
     show_us(
         "first_step",

@@ -113,6 +113,29 @@ impl Decoding {
         elapsed
     }
 
+    /// Runs `iters` `step_batch` steps with `between` (every word of it) written before each,
+    /// as an engine's own work between two steps (scheduler, sampler, interpreter) would; returns
+    /// the time spent stepping (the writes and re-admissions are not timed).
+    #[allow(dead_code)] // the manager bench's; the admission bench includes this file too
+    pub fn time_cold(&mut self, iters: u64, between: &mut [u64]) -> Duration {
+        let mut elapsed = Duration::ZERO;
+        let tokens = self.tokens.take(BATCH);
+        for i in 0..iters {
+            for word in between.iter_mut() {
+                *word = word.wrapping_add(i);
+            }
+            black_box(&between);
+            let start = Instant::now();
+            self.step(Stepping::Persistent, &tokens);
+            elapsed += start.elapsed();
+            self.steps += 1;
+            if self.steps == MAX_STEPS {
+                self.admit();
+            }
+        }
+        elapsed
+    }
+
     /// Runs `iters` steps; returns the time spent stepping (re-admissions are not timed).
     pub fn time(&mut self, iters: u64, how: Stepping) -> Duration {
         let mut elapsed = Duration::ZERO;
