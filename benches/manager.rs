@@ -1,5 +1,5 @@
 //! `BlockManager` hot paths: per-token `append`, a decode step at batch 256 (one-shot plan and
-//! persistent batch), and the
+//! persistent batch, the latter also with cold caches), and the
 //! admission of a 1024-token prompt through its prefill (hit, miss, and caching off as the
 //! baseline).
 //! Targets: a decode step at batch 256 <= 5 us; 1024-token hit (allocate, prefill plan, commit,
