@@ -205,6 +205,7 @@ def test_token_arrays_name_their_first_value_out_of_range(
     assert len(mgr) == 0
     mgr.allocate(1, values[:1])
     assert mgr.token_ids(1).tolist() == [5]
+    mgr.check()
 
 
 def test_huge_sequence_id_is_out_of_range_not_a_non_int() -> None:

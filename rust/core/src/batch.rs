@@ -383,22 +383,12 @@ impl Batch {
 
     /// Writes the blocks of an empty row (all -1) at once, logging them as a run.
     fn fill_row(&mut self, row: usize, blocks: &[BlockId]) {
-        let (start, half) = (row * self.width, self.table.len() / 2);
+        let start = row * self.width;
         let entries = &mut self.table[start..start + blocks.len()];
         for (entry, &block) in entries.iter_mut().zip(blocks) {
             *entry = block as i32;
         }
-        let updates = &mut self.updates;
-        if updates.full {
-            return;
-        }
-        if updates.index.len() + blocks.len() > half {
-            self.log_full();
-            return;
-        }
-        let at = start as i64;
-        updates.index.extend(at..at + blocks.len() as i64);
-        updates.blocks.extend_from_slice(entries);
+        self.log(start, blocks.len());
     }
 
     /// Writes one entry, logging it if it changed.
@@ -409,15 +399,23 @@ impl Batch {
             return;
         }
         self.table[at] = value;
-        if self.updates.full {
+        self.log(at, 1);
+    }
+
+    /// Logs the `len` entries written from flat position `at`, or marks the log full once it
+    /// would hold more than half the table (copying the whole table is then cheaper).
+    #[inline]
+    fn log(&mut self, at: usize, len: usize) {
+        let updates = &mut self.updates;
+        if updates.full {
             return;
         }
-        if self.updates.index.len() >= self.table.len() / 2 {
+        if updates.index.len() + len > self.table.len() / 2 {
             self.log_full();
             return;
         }
-        self.updates.index.push(at as i64);
-        self.updates.blocks.push(value);
+        updates.index.extend(at as i64..(at + len) as i64);
+        updates.blocks.extend_from_slice(&self.table[at..at + len]);
     }
 
     fn log_full(&mut self) {

@@ -757,6 +757,8 @@ mod tests {
         );
         first.step_batch(&mut batch, &[7]).unwrap();
         assert_eq!(first.num_tokens(1).unwrap(), 7);
+        first.check().unwrap();
+        second.check().unwrap();
     }
 
     #[test]
