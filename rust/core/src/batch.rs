@@ -353,6 +353,20 @@ impl Batch {
         self.sync_whole_row(row, blocks, epoch);
     }
 
+    /// [`Batch::sync_row`] of a settled row ([`Batch::settled`]), whose table the row
+    /// mirrors: its sequence is now `len` tokens long, with `new_block` pushed if it took one.
+    /// Reads nothing of the sequence.
+    #[inline(always)]
+    pub(crate) fn sync_settled(&mut self, row: usize, len: usize, new_block: Option<BlockId>) {
+        let r = &mut self.rows[row];
+        r.len = len;
+        if let Some(block) = new_block {
+            let col = r.pages;
+            (r.pages, r.last) = (col + 1, block);
+            self.set(row, col, block as i32);
+        }
+    }
+
     /// [`Batch::sync_row`] when more than the last entry may have changed.
     #[inline(never)]
     fn sync_whole_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64) {

@@ -17,8 +17,9 @@ const _: () = assert!(SHARDS.is_power_of_two() && SHARDS <= u32::BITS as usize);
 const SHARD_SHIFT: u32 = u64::BITS - SHARDS.trailing_zeros();
 
 /// One sequence: its tokens, its block table, the hashes of its full blocks and where its KV
-/// stands in the lifecycle (pending -> computed). `repr(C)` keeps what a decode step reads for
-/// every member in the first two cache lines; the rarely used fields follow.
+/// stands in the lifecycle (pending -> computed). `repr(C)`: the first 64 bytes (`tokens`,
+/// `table`, `computed`, `planned`) are all a decode step reads of a settled member, and its
+/// [`Slot`] starts them on a cache line; the rest follows, the rarely used fields last.
 #[derive(Clone, Debug)]
 #[repr(C)]
 pub(crate) struct Sequence {
@@ -60,6 +61,10 @@ pub(crate) struct Sequence {
     /// Chaining value before block 0 (binds the key and the salt).
     pub(crate) root: Chain,
 }
+
+// What a settled member's decode step reads (`tokens`, `table`, `computed`, `planned`, in
+// `repr(C)` order) ends within the first line.
+const _: () = assert!(std::mem::offset_of!(Sequence, planned) + size_of::<usize>() <= 64);
 
 /// One copy-on-write copy a sequence still depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -171,7 +176,11 @@ impl Hasher for SeqIdHasher {
 #[derive(Default)]
 pub(crate) struct Shard {
     slot_of: HashMap<SeqId, u32, BuildHasherDefault<SeqIdHasher>>,
-    slots: Vec<Option<(SeqId, Sequence)>>,
+    slots: Vec<Slot>,
+    /// The id of each slot's sequence (`None`: vacant), apart from the slots: a dense array
+    /// that finding a sequence by a hint reads, which a decode step's first line of each
+    /// sequence has no room for.
+    ids: Vec<Option<SeqId>>,
     vacant: Vec<u32>,
     /// Times the shard was locked (counted under the lock): every operation reaches its
     /// sequences through a lock, so an unchanged count means unchanged sequences.
@@ -183,15 +192,18 @@ impl Shard {
         self.slot_of.get(&id).copied()
     }
 
+    /// The sequence in `slot`, which is live (found in `slot_of`, or checked with
+    /// [`Shard::holds`] under the lock that still holds it).
     #[inline(always)]
     fn at(&mut self, slot: u32) -> &mut Sequence {
-        &mut self.slots[slot as usize].as_mut().expect("a live slot").1
+        debug_assert!(self.ids[slot as usize].is_some(), "a live slot");
+        &mut self.slots[slot as usize].0
     }
 
     /// Whether `slot` holds `id`.
     #[inline(always)]
     fn holds(&self, slot: u32, id: SeqId) -> bool {
-        matches!(self.slots.get(slot as usize), Some(Some((held, _))) if *held == id)
+        self.ids.get(slot as usize) == Some(&Some(id))
     }
 
     fn get(&mut self, id: SeqId) -> Option<&mut Sequence> {
@@ -200,19 +212,20 @@ impl Shard {
     }
 
     fn get_ref(&self, id: SeqId) -> Option<&Sequence> {
-        let (_, seq) = self.slots[self.slot(id)? as usize].as_ref()?;
-        Some(seq)
+        Some(&self.slots[self.slot(id)? as usize].0)
     }
 
     /// Adds `id`, which is not live.
     fn insert(&mut self, id: SeqId, seq: Sequence) {
         let slot = match self.vacant.pop() {
             Some(slot) => {
-                self.slots[slot as usize] = Some((id, seq));
+                self.slots[slot as usize] = Slot(seq);
+                self.ids[slot as usize] = Some(id);
                 slot
             }
             None => {
-                self.slots.push(Some((id, seq)));
+                self.slots.push(Slot(seq));
+                self.ids.push(Some(id));
                 (self.slots.len() - 1) as u32
             }
         };
@@ -222,11 +235,34 @@ impl Shard {
     fn remove(&mut self, id: SeqId) -> Option<Sequence> {
         let slot = self.slot_of.remove(&id)?;
         self.vacant.push(slot);
-        self.slots[slot as usize].take().map(|(_, seq)| seq)
+        self.ids[slot as usize] = None;
+        let Slot(seq) = std::mem::replace(&mut self.slots[slot as usize], Slot::vacant());
+        Some(seq)
     }
 
     fn iter(&self) -> impl Iterator<Item = (&SeqId, &Sequence)> {
-        self.slots.iter().flatten().map(|(id, seq)| (id, seq))
+        (self.ids.iter().zip(&self.slots)).filter_map(|(id, slot)| Some((id.as_ref()?, &slot.0)))
+    }
+}
+
+/// A shard's place for one sequence, on a cache line of its own, so what a decode step reads
+/// of a settled member (the first 64 bytes of [`Sequence`]) is one line.
+#[repr(align(64))]
+struct Slot(Sequence);
+
+impl Slot {
+    /// A vacant slot: an empty sequence, which allocates nothing.
+    fn vacant() -> Slot {
+        let empty = Sequence::new(
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            [0; 32],
+            0,
+            0,
+        );
+        Slot(empty)
     }
 }
 

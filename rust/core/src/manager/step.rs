@@ -14,7 +14,7 @@ use crate::plan::Plan;
 use crate::prefix::{Chain, PrefixCache};
 use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap};
 use crate::stats::Counters;
-use crate::{Error, SeqId, Token};
+use crate::{BlockId, Error, SeqId, Token};
 
 impl BlockManager {
     /// Appends tokens to a running sequence, copying a shared last block on write. The tokens'
@@ -140,8 +140,8 @@ impl BlockManager {
                 (rows.settled(row, untouched)).is_some_and(|r| self.decodes_as_settled(&r));
             let s = batch.at(rows.member(row));
             if settled {
-                computed += self.append_settled(s, token, &mut takes);
-                rows.push_settled(row, s, self.bs);
+                let (len, new_block) = self.append_settled(s, token, &mut takes, &mut computed);
+                rows.push_settled(row, len, new_block);
             } else {
                 computed += self.auto_commit(s);
                 self.append_token(s, token, &mut takes);
@@ -168,22 +168,31 @@ impl BlockManager {
 
     /// The auto-commit and the append of a settled sequence (see
     /// [`BlockManager::decodes_as_settled`]), which read only what they write: the commit
-    /// completes no copy and registers no block, and the append copies no tail. Returns the
-    /// tokens that became computed.
+    /// completes no copy and registers no block, and the append copies no tail. Adds the
+    /// tokens that became computed to `computed`; returns the sequence's length and the block
+    /// it took, if any, and marks its tokens planned (it hands over no copies).
     #[inline(always)]
-    fn append_settled(&self, s: &mut Sequence, token: Token, takes: &mut Takes) -> u64 {
+    fn append_settled(
+        &self,
+        s: &mut Sequence,
+        token: Token,
+        takes: &mut Takes,
+        computed: &mut u64,
+    ) -> (usize, Option<BlockId>) {
         debug_assert!(s.is_quiet() && s.planned == s.tokens.len());
-        let mut computed = 0;
         if self.config.auto_commit {
-            computed = (s.planned - s.computed) as u64;
+            *computed += (s.planned - s.computed) as u64;
             s.computed = s.planned;
         }
         let full = self.bs.offset(s.tokens.len()) == 0;
         s.tokens.push(token);
-        if full {
-            s.table.push(self.take(takes));
+        let len = s.tokens.len();
+        s.planned = len;
+        let new_block = full.then(|| self.take(takes));
+        if let Some(block) = new_block {
+            s.table.push(block);
         }
-        computed
+        (len, new_block)
     }
 
     /// Whether a decode step hashes the blocks it registers together ([`hash_lanes`]).
@@ -449,8 +458,9 @@ trait DecodeRows {
     /// Adds row `row`'s inputs after its append (or what `finish` needs for them), and hands
     /// over its copies.
     fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
-    /// [`DecodeRows::push`] of a settled row (no copies to hand over, still quiet).
-    fn push_settled(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
+    /// [`DecodeRows::push`] of a settled row after [`BlockManager::append_settled`]: its
+    /// sequence is `len` tokens long and took `new_block`, if any (no copies, still quiet).
+    fn push_settled(&mut self, row: usize, len: usize, new_block: Option<BlockId>);
     /// Completes the inputs once every row was pushed, and records the step's shards.
     fn finish(&mut self, batch: &LockedBatch<'_>, bs: BlockSize);
 
@@ -518,8 +528,8 @@ impl DecodeRows for Listed<'_> {
         self.plan.push(&s.table, s.tokens.len(), 1, bs);
         hand_over_copies(s, self.plan);
     }
-    fn push_settled(&mut self, row: usize, s: &mut Sequence, bs: BlockSize) {
-        self.push(row, s, bs);
+    fn push_settled(&mut self, _row: usize, _len: usize, _new_block: Option<BlockId>) {
+        unreachable!("a list keeps nothing between steps, so no row of it is settled")
     }
     fn finish(&mut self, _batch: &LockedBatch<'_>, _bs: BlockSize) {}
 }
@@ -559,10 +569,9 @@ impl DecodeRows for Batch {
         hand_over_copies(s, &mut self.inputs);
         self.record_row(row, s);
     }
-    #[inline]
-    fn push_settled(&mut self, row: usize, s: &mut Sequence, _bs: BlockSize) {
-        self.sync_row(row, &s.table, s.epoch, s.tokens.len());
-        s.planned = s.tokens.len();
+    #[inline(always)]
+    fn push_settled(&mut self, row: usize, len: usize, new_block: Option<BlockId>) {
+        self.sync_settled(row, len, new_block);
     }
     fn finish(&mut self, batch: &LockedBatch<'_>, bs: BlockSize) {
         self.write_inputs(bs);
