@@ -177,9 +177,8 @@ impl Hasher for SeqIdHasher {
 pub(crate) struct Shard {
     slot_of: HashMap<SeqId, u32, BuildHasherDefault<SeqIdHasher>>,
     slots: Vec<Slot>,
-    /// The id of each slot's sequence (`None`: vacant), apart from the slots: a dense array
-    /// that finding a sequence by a hint reads, which a decode step's first line of each
-    /// sequence has no room for.
+    /// The id in each slot (`None`: vacant), in a dense array of its own: checking a hint
+    /// reads it, and a slot's first line is full with what a decode step reads.
     ids: Vec<Option<SeqId>>,
     vacant: Vec<u32>,
     /// Times the shard was locked (counted under the lock): every operation reaches its
