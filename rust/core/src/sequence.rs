@@ -537,3 +537,32 @@ impl LockedSeq<'_> {
         seq
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn sequence(len: usize) -> Sequence {
+        Sequence::new(vec![7; len], vec![0], Vec::new(), Vec::new(), [0; 32], 0, 0)
+    }
+
+    /// A removed sequence's slot holds no id (a hint to it fails) until an insert reuses it.
+    #[test]
+    fn a_vacated_slot_holds_no_id_until_reused() {
+        let mut shard = Shard::default();
+        shard.insert(1, sequence(3));
+        shard.insert(2, sequence(5));
+        let slot = shard.slot(1).unwrap();
+        assert!(shard.holds(slot, 1) && !shard.holds(slot, 2));
+        assert_eq!(shard.remove(1).unwrap().tokens.len(), 3);
+        assert!(!shard.holds(slot, 1));
+        assert_eq!(shard.get(1).map(|s| s.tokens.len()), None);
+        let live: Vec<SeqId> = shard.iter().map(|(&id, _)| id).collect();
+        assert_eq!(live, [2]);
+        shard.insert(3, sequence(4));
+        assert_eq!(shard.slot(3), Some(slot));
+        assert!(shard.holds(slot, 3) && !shard.holds(slot, 1));
+        assert_eq!(shard.at(slot).tokens.len(), 4);
+        assert!(!shard.holds(2, 3), "a slot past the end holds nothing");
+    }
+}
