@@ -128,12 +128,17 @@ impl Decoding {
             let start = Instant::now();
             self.step(Stepping::Persistent, &tokens);
             elapsed += start.elapsed();
-            self.steps += 1;
-            if self.steps == MAX_STEPS {
-                self.admit();
-            }
+            self.advance(1);
         }
         elapsed
+    }
+
+    /// Counts `steps` more steps of the running batch, replacing it once it took its last.
+    fn advance(&mut self, steps: usize) {
+        self.steps += steps;
+        if self.steps == MAX_STEPS {
+            self.admit();
+        }
     }
 
     /// Runs `iters` steps; returns the time spent stepping (re-admissions are not timed).
@@ -150,10 +155,7 @@ impl Decoding {
             elapsed += start.elapsed();
             black_box((&self.plan, &self.batch));
             left -= chunk;
-            self.steps += chunk;
-            if self.steps == MAX_STEPS {
-                self.admit();
-            }
+            self.advance(chunk);
         }
         elapsed
     }
