@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::plan::Plan;
-use crate::sequence::{shard_bit, LockedBatch, Member, Sequence, ShardLocks};
+use crate::sequence::{shard_bit, LockedBatch, Member, ShardLocks};
 use crate::{BlockId, Error, SeqId};
 
 /// The narrowest table a batch lays out (columns); it doubles when a row needs more.
@@ -39,6 +39,7 @@ const PAD: i32 = -1;
 pub struct Batch {
     ids: Vec<SeqId>,
     rows: Vec<Row>,
+    ends: RowEnds,
     row_of: HashMap<SeqId, usize>,
     /// Shards of the rows' sequences, as `SequenceMap::lock_shards` takes them; `None` after a
     /// removal, until the next step recomputes it.
@@ -52,34 +53,86 @@ pub struct Batch {
     locks: Option<ShardLocks>,
 }
 
-/// What a batch knows of a row's sequence since its last step.
+/// What a batch knows of a row's sequence since its last step (its length and blocks are in
+/// [`RowEnds`]).
 #[derive(Clone, Copy, Debug, Default)]
 struct Row {
     /// Where the sequence was last found (a hint: checked before use).
     member: Option<Member>,
     /// The table version the row mirrors (0: none yet, the row was not stepped).
     epoch: u64,
-    /// Entries of the row that hold blocks; the rest are -1.
-    pages: usize,
-    /// The row's last block (its entry `pages - 1`), which the step's slot is in.
-    last: BlockId,
-    /// Tokens of the sequence as of the last step.
-    len: usize,
-    /// Full blocks the sequence had registered as of the last step.
-    registered: usize,
-    /// The sequence was quiet ([`Sequence::is_quiet`]) after the last step.
-    quiet: bool,
+    /// The sequence decodes as settled while it is shorter than this (0: never; the last step
+    /// left something in flight, or none stepped the row). Set by the manager that stepped the
+    /// row, from the sequence's state and its own configuration.
+    settled_below: u32,
 }
 
-/// A row's sequence as the batch's last step left it, known unchanged since.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Settled {
-    /// Tokens, all planned.
-    pub(crate) len: usize,
-    /// Blocks in the table.
-    pub(crate) pages: usize,
-    /// Full blocks registered.
-    pub(crate) registered: usize,
+/// Each row's length and blocks as of the last step, one array per field, so a step writes
+/// the attention inputs from them in one vectorized pass.
+#[derive(Clone, Debug, Default)]
+struct RowEnds {
+    /// Tokens of each row's sequence (at most `MAX_TOKENS`, which fits).
+    len: Vec<u32>,
+    /// Entries of each row that hold blocks; the rest are -1.
+    pages: Vec<u32>,
+    /// Each row's last block (its entry `pages - 1`), which the step's slot is in.
+    last: Vec<BlockId>,
+    /// Whether this step's first pass found the row settled: its second pass appends to it as
+    /// one, and its length grows by the token once the step's appends are done.
+    settled: Vec<bool>,
+}
+
+impl RowEnds {
+    fn push(&mut self) {
+        self.len.push(0);
+        self.pages.push(0);
+        self.last.push(0);
+        self.settled.push(false);
+    }
+
+    /// Moves row `from` into row `to`, then drops the last row.
+    fn move_and_pop(&mut self, from: usize, to: usize) {
+        for array in [&mut self.len, &mut self.pages, &mut self.last] {
+            array[to] = array[from];
+            array.pop();
+        }
+        self.settled.pop();
+    }
+
+    fn clear(&mut self) {
+        self.len.clear();
+        self.pages.clear();
+        self.last.clear();
+        self.settled.clear();
+    }
+
+    fn pages(&self, row: usize) -> usize {
+        self.pages[row] as usize
+    }
+}
+
+/// What a decode step's appends take, counted in its first pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Appends {
+    /// Rows whose token takes a new block (their last one is full).
+    pub(crate) new_blocks: usize,
+    /// Pages of all rows after the step.
+    pub(crate) nnz: usize,
+    /// Pages of the widest row after the step.
+    pub(crate) widest: usize,
+}
+
+impl Appends {
+    /// Counts the append of one token to a sequence of `len` tokens in `pages` blocks of `bs`
+    /// tokens: a table has exactly the pages of its tokens, so the token takes a new block
+    /// exactly when the last one is full.
+    #[inline(always)]
+    pub(crate) fn add(&mut self, len: usize, pages: usize, bs: BlockSize) {
+        let new_block = usize::from(bs.offset(len) == 0);
+        self.new_blocks += new_block;
+        self.nnz += pages + new_block;
+        self.widest = self.widest.max(pages + new_block);
+    }
 }
 
 /// The table entries written since the log was last cleared: flat positions `row * width +
@@ -111,6 +164,7 @@ impl Batch {
         Batch {
             ids: Vec::new(),
             rows: Vec::new(),
+            ends: RowEnds::default(),
             row_of: HashMap::new(),
             shards: Some(0),
             width: 0,
@@ -155,6 +209,7 @@ impl Batch {
         self.row_of.insert(seq, self.ids.len());
         self.ids.push(seq);
         self.rows.push(Row::default());
+        self.ends.push();
         self.table.resize(self.table.len() + self.width, PAD);
         if let Some(shards) = &mut self.shards {
             *shards |= shard_bit(seq);
@@ -171,26 +226,27 @@ impl Batch {
             .remove(&seq)
             .ok_or_else(|| invalid(format!("sequence {seq} is not in the batch")))?;
         let last = self.ids.len() - 1;
-        let moved = self.rows[last];
+        let moved = self.ends.pages(last);
         if row != last {
-            for col in 0..moved.pages.max(self.rows[row].pages) {
-                let value = if col < moved.pages {
+            for col in 0..moved.max(self.ends.pages(row)) {
+                let value = if col < moved {
                     self.table[last * self.width + col]
                 } else {
                     PAD
                 };
                 self.set(row, col, value);
             }
-            self.rows[row] = moved;
+            self.rows[row] = self.rows[last];
             self.ids[row] = self.ids[last];
             self.row_of.insert(self.ids[row], row);
         }
         // The vacated row is cleared (and logged), so a copy's rows past the length stay -1.
-        for col in 0..moved.pages {
+        for col in 0..moved {
             self.set(last, col, PAD);
         }
         self.ids.pop();
         self.rows.pop();
+        self.ends.move_and_pop(last, row);
         self.table.truncate(self.ids.len() * self.width);
         self.shards = None;
         self.inputs.clear();
@@ -201,6 +257,7 @@ impl Batch {
     pub fn clear(&mut self) {
         self.ids.clear();
         self.rows.clear();
+        self.ends.clear();
         self.row_of.clear();
         self.table.clear();
         self.shards = Some(0);
@@ -275,25 +332,35 @@ impl Batch {
             .map_or(0, |locks| batch.untouched(locks))
     }
 
-    /// Row `row`'s sequence as the last step left it, if that step stepped the row, left its
-    /// sequence quiet, and its shard is in `untouched`.
-    #[inline(always)]
-    pub(crate) fn settled(&self, row: usize, untouched: u32) -> Option<Settled> {
-        let r = &self.rows[row];
-        let member = r.member?;
-        (r.quiet && r.epoch != 0 && untouched & member.shard_bit() != 0).then_some(Settled {
-            len: r.len,
-            pages: r.pages,
-            registered: r.registered,
-        })
+    /// Marks the settled rows for [`Batch::is_settled`]: those in a shard in `untouched` whose
+    /// sequence is shorter than the length the last step recorded ([`Batch::record_row`]).
+    /// Returns what their appends take (blocks of `bs` tokens), from what the batch kept.
+    pub(crate) fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends {
+        let mut appends = Appends::default();
+        let ends = &mut self.ends;
+        let rows = (self.rows.iter().zip(&mut ends.settled)).zip(ends.len.iter().zip(&ends.pages));
+        for ((r, settled), (&len, &pages)) in rows {
+            *settled = len < r.settled_below
+                && r.member
+                    .is_some_and(|member| untouched & member.shard_bit() != 0);
+            if *settled {
+                appends.add(len as usize, pages as usize, bs);
+            }
+        }
+        appends
     }
 
-    /// Records what a step left of row `row`'s sequence `s`, after its table was synced.
+    /// Whether [`Batch::settle`] found row `row` settled in this step.
     #[inline(always)]
-    pub(crate) fn record_row(&mut self, row: usize, s: &Sequence) {
-        let r = &mut self.rows[row];
-        r.registered = s.registered;
-        r.quiet = s.is_quiet();
+    pub(crate) fn is_settled(&self, row: usize) -> bool {
+        self.ends.settled[row]
+    }
+
+    /// Records, after a step synced row `row`, that its sequence decodes as settled while
+    /// shorter than `settled_below` (0: it does not).
+    #[inline(always)]
+    pub(crate) fn record_row(&mut self, row: usize, settled_below: usize) {
+        self.rows[row].settled_below = settled_below as u32;
     }
 
     /// Records the lock counts of a step's shards, once the step succeeded.
@@ -321,9 +388,14 @@ impl Batch {
                 self.ids.len()
             ))
         })?;
-        for (row, old) in self.rows.iter().zip(self.table.chunks(self.width.max(1))) {
-            table.extend_from_slice(&old[..row.pages]);
-            table.resize(table.len() + width - row.pages, PAD);
+        for (&pages, old) in self
+            .ends
+            .pages
+            .iter()
+            .zip(self.table.chunks(self.width.max(1)))
+        {
+            table.extend_from_slice(&old[..pages as usize]);
+            table.resize(table.len() + width - pages as usize, PAD);
         }
         table.resize(entries, PAD);
         self.table = table;
@@ -337,42 +409,32 @@ impl Batch {
     #[inline(always)]
     pub(crate) fn sync_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64, len: usize) {
         debug_assert!(blocks.len() <= self.width, "fit() widened the table");
-        let r = &mut self.rows[row];
-        r.len = len;
+        self.ends.len[row] = len as u32;
         // A decode step's usual cases, which read no entry the row already has: the same
         // blocks, or one more at the end.
-        if r.epoch == epoch && r.pages == blocks.len() {
+        let pages = self.ends.pages(row);
+        if self.rows[row].epoch == epoch && pages == blocks.len() {
             return;
         }
-        if r.epoch == epoch && r.pages + 1 == blocks.len() {
-            let (col, last) = (r.pages, blocks[r.pages]);
-            (r.pages, r.last) = (col + 1, last);
-            self.set(row, col, last as i32);
+        if self.rows[row].epoch == epoch && pages + 1 == blocks.len() {
+            self.push_block(row, blocks[pages]);
             return;
         }
         self.sync_whole_row(row, blocks, epoch);
     }
 
-    /// [`Batch::sync_row`] of a settled row ([`Batch::settled`]), whose table the row
-    /// mirrors: its sequence is now `len` tokens long, with `new_block` pushed if it took one.
-    /// Reads nothing of the sequence.
-    #[inline(always)]
-    pub(crate) fn sync_settled(&mut self, row: usize, len: usize, new_block: Option<BlockId>) {
-        let r = &mut self.rows[row];
-        r.len = len;
-        if let Some(block) = new_block {
-            let col = r.pages;
-            (r.pages, r.last) = (col + 1, block);
-            self.set(row, col, block as i32);
-        }
+    /// Adds `block` at the end of row `row` (a settled row's sync, [`Batch::settle`]: its
+    /// sequence took the block, and [`Batch::write_inputs`] counts its token).
+    pub(crate) fn push_block(&mut self, row: usize, block: BlockId) {
+        let col = self.ends.pages(row);
+        (self.ends.pages[row], self.ends.last[row]) = (col as u32 + 1, block);
+        self.set(row, col, block as i32);
     }
 
     /// [`Batch::sync_row`] when more than the last entry may have changed.
     #[inline(never)]
     fn sync_whole_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64) {
-        let Row {
-            epoch: seen, pages, ..
-        } = self.rows[row];
+        let (seen, pages) = (self.rows[row].epoch, self.ends.pages(row));
         if pages == 0 {
             // An empty row (all -1: one just added, or emptied): its blocks go in as one run.
             self.fill_row(row, blocks);
@@ -389,10 +451,9 @@ impl Batch {
                 self.set(row, col, PAD);
             }
         }
-        let r = &mut self.rows[row];
-        r.epoch = epoch;
-        r.pages = blocks.len();
-        r.last = blocks.last().copied().unwrap_or_default();
+        self.rows[row].epoch = epoch;
+        self.ends.pages[row] = blocks.len() as u32;
+        self.ends.last[row] = blocks.last().copied().unwrap_or_default();
     }
 
     /// Writes the blocks of an empty row (all -1) at once, logging them as a run.
@@ -438,16 +499,25 @@ impl Batch {
         self.updates.blocks.clear();
     }
 
-    /// Writes the step's attention inputs from the rows (their lengths and last blocks), with
-    /// blocks of `bs` tokens; the copies were handed over row by row.
+    /// Adds the step's token to each settled row's length, then writes the step's attention
+    /// inputs from the rows' ends (their lengths, pages and last blocks), with blocks of `bs`
+    /// tokens; the copies were handed over row by row.
     pub(crate) fn write_inputs(&mut self, bs: BlockSize) {
-        let n = self.rows.len();
-        let inputs = &mut self.inputs;
+        let n = self.ids.len();
+        for (len, &settled) in self.ends.len.iter_mut().zip(&self.ends.settled) {
+            *len += u32::from(settled);
+        }
+        let (ends, inputs) = (&self.ends, &mut self.inputs);
         inputs.block_size = bs.get() as u32;
         inputs.kv_indices.clear();
+        // One query token per row: `qo_indptr` is `0..=n`, rewritten only when `n` changed
+        // (the inputs are emptied whenever a row is added or removed).
+        if inputs.qo_indptr.len() != n + 1 {
+            inputs.qo_indptr.clear();
+            inputs.qo_indptr.extend(0..=n as i32);
+        }
         for (array, len) in [
             (&mut inputs.kv_indptr, n + 1),
-            (&mut inputs.qo_indptr, n + 1),
             (&mut inputs.kv_last_page_len, n),
             (&mut inputs.positions, n),
             (&mut inputs.slot_mapping, n),
@@ -455,21 +525,24 @@ impl Batch {
             array.resize(len, 0);
         }
         let mut nnz = 0;
-        let ends = inputs.kv_indptr[1..]
-            .iter_mut()
-            .zip(&mut inputs.kv_last_page_len);
-        let tokens = inputs.positions.iter_mut().zip(&mut inputs.slot_mapping);
-        for (row, ((end, last), (position, slot))) in self.rows.iter().zip(ends.zip(tokens)) {
-            let p = row.len - 1;
-            let offset = bs.offset(p);
-            nnz += row.pages as i32;
+        for (end, &pages) in inputs.kv_indptr[1..].iter_mut().zip(&ends.pages) {
+            nnz += pages as i32;
             *end = nnz;
-            *last = offset as i32 + 1;
-            *position = p as i32;
-            *slot = (row.last as usize * bs.get() + offset) as i32;
         }
-        for (q, i) in inputs.qo_indptr.iter_mut().zip(0..) {
-            *q = i;
+        let rows = (inputs.positions.iter_mut())
+            .zip(&mut inputs.kv_last_page_len)
+            .zip(&mut inputs.slot_mapping)
+            .zip(ends.len.iter().zip(&ends.last));
+        // The block size is a power of two but for unusual configurations: the usual case is
+        // a loop the compiler vectorizes.
+        let (size, mask) = (bs.get() as u32, bs.get() as u32 - 1);
+        let pow2 = size.is_power_of_two();
+        for (((position, last_page_len), slot), (&len, &last)) in rows {
+            let p = len - 1;
+            let offset = if pow2 { p & mask } else { p % size };
+            *position = p as i32;
+            *last_page_len = offset as i32 + 1;
+            *slot = last.wrapping_mul(size).wrapping_add(offset) as i32;
         }
     }
 }

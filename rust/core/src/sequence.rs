@@ -383,6 +383,20 @@ pub(crate) struct LockedBatch<'a> {
     map: u64,
 }
 
+/// The slots (and the ids in them) of a [`LockedBatch`]'s shards; a shard it did not lock
+/// has none.
+pub(crate) struct Slots<'b>([(&'b mut [Slot], &'b [Option<SeqId>]); SHARDS]);
+
+impl Slots<'_> {
+    /// The member found by [`LockedBatch::find`] (in this batch, and still live).
+    #[inline(always)]
+    pub(crate) fn at(&mut self, member: Member) -> &mut Sequence {
+        let (slots, ids) = &mut self.0[member.shard as usize % SHARDS];
+        debug_assert!(ids[member.slot as usize].is_some(), "a live slot");
+        &mut slots[member.slot as usize].0
+    }
+}
+
 /// Where a live member of a batch is: found once, then reached without a lookup.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Member {
@@ -430,6 +444,18 @@ impl LockedBatch<'_> {
             .as_mut()
             .expect("the batch locked this member's shard")
             .at(member.slot)
+    }
+
+    /// The locked shards' slots, to reach many members in a row (a decode step's appends):
+    /// each through two indexes, with no guard to check.
+    pub(crate) fn slots(&mut self) -> Slots<'_> {
+        Slots(self.guards.each_mut().map(|guard| match guard {
+            Some(guard) => {
+                let Shard { slots, ids, .. } = &mut **guard;
+                (&mut slots[..], &ids[..])
+            }
+            None => Default::default(),
+        }))
     }
 
     /// The lock counts of the locked shards, for [`LockedBatch::untouched`] in a later batch.

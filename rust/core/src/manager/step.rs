@@ -2,7 +2,7 @@
 //! same for a persistent [`Batch`]) and `plan` (any batch), with the copy-on-write of a shared
 //! last block.
 
-use crate::batch::{Batch, Settled};
+use crate::batch::{Appends, Batch};
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::hash_lanes::{self, LANES, LANE_TOKENS};
@@ -82,34 +82,30 @@ impl BlockManager {
         let mut batch = rows.lock(&self.seqs);
         let untouched = rows.untouched(&batch);
         let mut to_hash = self.lanes().then(ToHash::default);
-        let (mut needed, mut new_blocks, mut copying, mut nnz, mut widest) = (0, 0, false, 0, 0);
+        // A row whose sequence is as the batch's last step left it is checked from what the
+        // batch kept; any other is found and checked in full.
+        let mut appends = rows.settle(untouched, self.bs);
+        let (mut needed, mut copying) = (0, false);
         for row in 0..n {
-            // A row whose sequence is as the batch's last step left it is checked from what
-            // the batch kept; any other is found and checked in full.
-            let settled = rows
-                .settled(row, untouched)
-                .filter(|r| self.decodes_as_settled(r));
-            let (len, pages, copy) = match settled {
-                Some(r) => (r.len, r.pages, false),
-                None => {
-                    let s = rows.visit(&mut batch, row, stamp)?;
-                    decodable(rows.id(row), s)?;
-                    self.prepare_commit(s, rows.member(row), to_hash.as_mut());
-                    copying |= !s.copying.is_empty();
-                    (s.tokens.len(), s.table.len(), self.must_copy_tail(s))
-                }
-            };
+            if rows.is_settled(row) {
+                continue;
+            }
+            let s = rows.visit(&mut batch, row, stamp)?;
+            decodable(rows.id(row), s)?;
+            self.prepare_commit(s, rows.member(row), to_hash.as_mut());
+            copying |= !s.copying.is_empty();
+            needed += usize::from(self.must_copy_tail(s));
+            appends.add(s.tokens.len(), s.table.len(), self.bs);
             if let Some(pending) = to_hash.as_mut().filter(|p| p.n == LANES) {
                 self.hash_together(&mut batch, pending);
             }
-            // A sequence's table has exactly the pages of its tokens, so the token takes a new
-            // block exactly when the last one is full.
-            let new_block = usize::from(self.bs.offset(len) == 0);
-            nnz += pages + new_block;
-            widest = widest.max(pages + new_block);
-            new_blocks += new_block;
-            needed += new_block + usize::from(copy);
         }
+        let Appends {
+            new_blocks,
+            nnz,
+            widest,
+        } = appends;
+        needed += new_blocks;
         if let Some(pending) = &mut to_hash {
             self.hash_together(&mut batch, pending);
         }
@@ -135,17 +131,24 @@ impl BlockManager {
         rows.begin(nnz, self.bs);
         // Every new block is taken; copies may turn out unneeded (a holder let go meanwhile).
         let (mut takes, mut computed) = (Takes::at_least(new_blocks), 0);
+        // The settled rows' appends read the block size and the auto-commit flag from locals:
+        // through `self`, they would be loaded again after every store to a sequence.
+        let settling = Settling {
+            bs: self.bs,
+            auto_commit: self.config.auto_commit,
+        };
+        let mut slots = batch.slots();
         for (row, &token) in tokens.iter().enumerate() {
-            let settled =
-                (rows.settled(row, untouched)).is_some_and(|r| self.decodes_as_settled(&r));
-            let s = batch.at(rows.member(row));
-            if settled {
-                let (len, new_block) = self.append_settled(s, token, &mut takes, &mut computed);
-                rows.push_settled(row, len, new_block);
+            let s = slots.at(rows.member(row));
+            if rows.is_settled(row) {
+                let took = self.append_settled(s, token, settling, &mut takes, &mut computed);
+                if let Some(block) = took {
+                    rows.push_settled_block(row, block);
+                }
             } else {
                 computed += self.auto_commit(s);
                 self.append_token(s, token, &mut takes);
-                rows.push(row, s, self.bs);
+                rows.push(row, s, self.settled_below(s), self.bs);
             }
         }
         rows.finish(&batch, self.bs);
@@ -157,42 +160,49 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Whether a settled sequence (quiet, all tokens planned) decodes with no check but its
-    /// length: it has room for a token and no block for this step's auto-commit to register.
-    #[inline(always)]
-    fn decodes_as_settled(&self, r: &Settled) -> bool {
-        let registers =
-            self.prefix.is_some() && self.config.auto_commit && self.bs.index(r.len) > r.registered;
-        r.len < MAX_TOKENS && !registers
+    /// The length below which `s`, just stepped (all tokens planned), decodes as settled while
+    /// nothing else touches it: with no check but its length, since it has room for a token
+    /// and no block for a step's auto-commit to register. 0 unless it is quiet.
+    fn settled_below(&self, s: &Sequence) -> usize {
+        if !s.is_quiet() {
+            return 0;
+        }
+        if self.prefix.is_some() && self.config.auto_commit {
+            // The auto-commit of a step at length `len` registers block `len / block_size`
+            // once it is full.
+            MAX_TOKENS.min((s.registered + 1) * self.bs.get())
+        } else {
+            MAX_TOKENS
+        }
     }
 
     /// The auto-commit and the append of a settled sequence (see
-    /// [`BlockManager::decodes_as_settled`]), which read only what they write: the commit
+    /// [`BlockManager::settled_below`]), which read only what they write: the commit
     /// completes no copy and registers no block, and the append copies no tail. Adds the
-    /// tokens that became computed to `computed`; returns the sequence's length and the block
-    /// it took, if any, and marks its tokens planned (it hands over no copies).
+    /// tokens that became computed to `computed`; returns the block the sequence took, if
+    /// any, and marks its tokens planned (it hands over no copies).
     #[inline(always)]
     fn append_settled(
         &self,
         s: &mut Sequence,
         token: Token,
+        settling: Settling,
         takes: &mut Takes,
         computed: &mut u64,
-    ) -> (usize, Option<BlockId>) {
+    ) -> Option<BlockId> {
         debug_assert!(s.is_quiet() && s.planned == s.tokens.len());
-        if self.config.auto_commit {
+        if settling.auto_commit {
             *computed += (s.planned - s.computed) as u64;
             s.computed = s.planned;
         }
-        let full = self.bs.offset(s.tokens.len()) == 0;
+        let full = settling.bs.offset(s.tokens.len()) == 0;
         s.tokens.push(token);
-        let len = s.tokens.len();
-        s.planned = len;
+        s.planned = s.tokens.len();
         let new_block = full.then(|| self.take(takes));
         if let Some(block) = new_block {
             s.table.push(block);
         }
-        (len, new_block)
+        new_block
     }
 
     /// Whether a decode step hashes the blocks it registers together ([`hash_lanes`]).
@@ -377,6 +387,13 @@ impl BlockManager {
     }
 }
 
+/// What a settled row's append reads of the manager, copied into locals for the step.
+#[derive(Clone, Copy)]
+struct Settling {
+    bs: BlockSize,
+    auto_commit: bool,
+}
+
 /// Blocks a decode step's first pass queued to hash together: each the one block its
 /// sequence has left to hash, of [`LANE_TOKENS`] tokens.
 #[derive(Default)]
@@ -448,19 +465,22 @@ trait DecodeRows {
     fn lock<'m>(&mut self, seqs: &'m SequenceMap) -> LockedBatch<'m>;
     /// The locked shards nothing else locked since these rows' last step.
     fn untouched(&self, batch: &LockedBatch<'_>) -> u32;
-    /// Row `row`'s sequence as the rows' last step left it, if it is known unchanged since
-    /// (its shard in `untouched`) and was quiet.
-    fn settled(&self, row: usize, untouched: u32) -> Option<Settled>;
+    /// Marks the rows whose sequence is as the rows' last step left it, known unchanged since
+    /// (its shard in `untouched`), and decodes as settled ([`BlockManager::settled_below`]),
+    /// for [`DecodeRows::is_settled`]; returns what their appends take (blocks of `bs` tokens).
+    fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends;
+    /// Whether [`DecodeRows::settle`] found row `row` settled in this step.
+    fn is_settled(&self, row: usize) -> bool;
     /// Makes room for rows of up to `pages` blocks, before anything changes.
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
     /// Starts the inputs: `nnz` pages in all.
     fn begin(&mut self, nnz: usize, bs: BlockSize);
-    /// Adds row `row`'s inputs after its append (or what `finish` needs for them), and hands
-    /// over its copies.
-    fn push(&mut self, row: usize, s: &mut Sequence, bs: BlockSize);
-    /// [`DecodeRows::push`] of a settled row after [`BlockManager::append_settled`]: its
-    /// sequence is `len` tokens long and took `new_block`, if any (no copies, still quiet).
-    fn push_settled(&mut self, row: usize, len: usize, new_block: Option<BlockId>);
+    /// Adds row `row`'s inputs after its append, and hands over its copies; `s` decodes as
+    /// settled below length `settled_below` in later steps.
+    fn push(&mut self, row: usize, s: &mut Sequence, settled_below: usize, bs: BlockSize);
+    /// [`DecodeRows::push`] of a settled row whose append ([`BlockManager::append_settled`])
+    /// took `block` (no copies, still quiet); one that took none needs no push.
+    fn push_settled_block(&mut self, row: usize, block: BlockId);
     /// Completes the inputs once every row was pushed, and records the step's shards.
     fn finish(&mut self, batch: &LockedBatch<'_>, bs: BlockSize);
 
@@ -514,8 +534,11 @@ impl DecodeRows for Listed<'_> {
     fn untouched(&self, _batch: &LockedBatch<'_>) -> u32 {
         0
     }
-    fn settled(&self, _row: usize, _untouched: u32) -> Option<Settled> {
-        None
+    fn settle(&mut self, _untouched: u32, _bs: BlockSize) -> Appends {
+        Appends::default()
+    }
+    fn is_settled(&self, _row: usize) -> bool {
+        false
     }
     fn fit(&mut self, _pages: usize) -> Result<(), Error> {
         Ok(())
@@ -524,11 +547,11 @@ impl DecodeRows for Listed<'_> {
         let n = self.seqs.len();
         self.plan.begin(n, nnz, n, bs);
     }
-    fn push(&mut self, _row: usize, s: &mut Sequence, bs: BlockSize) {
+    fn push(&mut self, _row: usize, s: &mut Sequence, _settled_below: usize, bs: BlockSize) {
         self.plan.push(&s.table, s.tokens.len(), 1, bs);
         hand_over_copies(s, self.plan);
     }
-    fn push_settled(&mut self, _row: usize, _len: usize, _new_block: Option<BlockId>) {
+    fn push_settled_block(&mut self, _row: usize, _block: BlockId) {
         unreachable!("a list keeps nothing between steps, so no row of it is settled")
     }
     fn finish(&mut self, _batch: &LockedBatch<'_>, _bs: BlockSize) {}
@@ -553,9 +576,12 @@ impl DecodeRows for Batch {
     fn untouched(&self, batch: &LockedBatch<'_>) -> u32 {
         Batch::untouched(self, batch)
     }
+    fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends {
+        Batch::settle(self, untouched, bs)
+    }
     #[inline(always)]
-    fn settled(&self, row: usize, untouched: u32) -> Option<Settled> {
-        Batch::settled(self, row, untouched)
+    fn is_settled(&self, row: usize) -> bool {
+        Batch::is_settled(self, row)
     }
     fn fit(&mut self, pages: usize) -> Result<(), Error> {
         Batch::fit(self, pages)
@@ -564,14 +590,13 @@ impl DecodeRows for Batch {
         self.inputs.copies.clear();
     }
     #[inline]
-    fn push(&mut self, row: usize, s: &mut Sequence, _bs: BlockSize) {
+    fn push(&mut self, row: usize, s: &mut Sequence, settled_below: usize, _bs: BlockSize) {
         self.sync_row(row, &s.table, s.epoch, s.tokens.len());
         hand_over_copies(s, &mut self.inputs);
-        self.record_row(row, s);
+        self.record_row(row, settled_below);
     }
-    #[inline(always)]
-    fn push_settled(&mut self, row: usize, len: usize, new_block: Option<BlockId>) {
-        self.sync_settled(row, len, new_block);
+    fn push_settled_block(&mut self, row: usize, block: BlockId) {
+        self.push_block(row, block);
     }
     fn finish(&mut self, batch: &LockedBatch<'_>, bs: BlockSize) {
         self.write_inputs(bs);
