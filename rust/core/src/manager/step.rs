@@ -148,7 +148,12 @@ impl BlockManager {
             } else {
                 computed += self.auto_commit(s);
                 self.append_token(s, token, &mut takes);
-                rows.push(row, s, self.settled_below(s), self.bs);
+                let settled_below = if R::KEEPS_ROWS {
+                    self.settled_below(s)
+                } else {
+                    0
+                };
+                rows.push(row, s, settled_below, self.bs);
             }
         }
         rows.finish(&batch, self.bs);
@@ -455,6 +460,9 @@ trait DecodeRows {
     const CALL: &'static str;
     /// Whether the rows' sequences are distinct by construction (else repeats are checked).
     const DISTINCT: bool;
+    /// Whether the rows keep what a step left of their sequences (so later steps may find
+    /// them settled).
+    const KEEPS_ROWS: bool;
     /// The sequence of each row.
     fn seqs(&self) -> &[SeqId];
     /// Where row `row`'s sequence was found last (this step, once visited), if known.
@@ -519,6 +527,7 @@ struct Listed<'a> {
 impl DecodeRows for Listed<'_> {
     const CALL: &'static str = "step";
     const DISTINCT: bool = false;
+    const KEEPS_ROWS: bool = false;
     fn seqs(&self) -> &[SeqId] {
         self.seqs
     }
@@ -561,6 +570,7 @@ impl DecodeRows for Listed<'_> {
 impl DecodeRows for Batch {
     const CALL: &'static str = "step_batch";
     const DISTINCT: bool = true;
+    const KEEPS_ROWS: bool = true;
     fn seqs(&self) -> &[SeqId] {
         Batch::seqs(self)
     }
