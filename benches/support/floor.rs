@@ -4,6 +4,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use crate::decoding::{Decoding, BATCH, MAX_STEPS};
+use crate::splitmix64::SplitMix64;
 use crate::BLOCK_SIZE;
 use pagedkv::Token;
 
@@ -11,15 +12,91 @@ use pagedkv::Token;
 /// sequence's tokens and block table in allocations of their own, one token appended and the
 /// last block read per sequence, a new block recorded every `BLOCK_SIZE` tokens, and the four
 /// per-sequence arrays of the attention inputs written. No bookkeeping, hashing or locking.
+/// With a [`Registry`], also what prefix caching must touch, as the manager's steps do it.
 pub struct Floor {
     tokens: Vec<Vec<Token>>,
     tables: Vec<Vec<u32>>,
     inputs: [Vec<i32>; 4],
+    registry: Option<Registry>,
+    /// Each sequence's tokens and blocks when the batch was prefilled.
+    prompt_lens: Vec<usize>,
+    table_lens: Vec<usize>,
+    /// Steps taken since the batch was prefilled (as `Decoding` counts them).
+    steps: usize,
+}
+
+/// The least memory traffic of prefix caching, in structures of the manager's sizes: a new block
+/// evicts a cached one (reads its key, clears its map slot), and a filled block is registered
+/// (its key, parent and chaining value written in one line, its tokens in another, its map slot
+/// set). The first step of a batch registers every prompt's full blocks, as the manager's
+/// first step commits the prefill. Keys are drawn at random (no hashing), blocks are evicted in
+/// a fixed random order, and nothing is locked or linked.
+pub struct Registry {
+    lines: Vec<Line>,
+    tokens: Vec<[Token; BLOCK_SIZE as usize]>,
+    /// The map: two slots per block, each a block id and the key's low half.
+    slots: Vec<u64>,
+    evictions: Vec<u32>,
+    next_eviction: usize,
+    keys: SplitMix64,
+}
+
+/// A block's registration: key, parent key and chaining value, in one cache line.
+#[derive(Clone, Copy)]
+#[repr(align(64))]
+struct Line([u64; 8]);
+
+impl Registry {
+    /// A registry of `num_blocks` blocks, every one cached (registered under a random key).
+    pub fn new(num_blocks: u32) -> Registry {
+        let n = num_blocks as usize;
+        let mut keys = SplitMix64(7);
+        let mut evictions: Vec<u32> = (0..num_blocks).collect();
+        for i in (1..n).rev() {
+            evictions.swap(i, keys.next() as usize % (i + 1));
+        }
+        let mut registry = Registry {
+            lines: vec![Line([0; 8]); n],
+            tokens: vec![[0; BLOCK_SIZE as usize]; n],
+            slots: vec![u64::MAX; (2 * n).next_power_of_two()],
+            evictions,
+            next_eviction: 0,
+            keys,
+        };
+        for block in 0..num_blocks {
+            registry.register(block, &[0; BLOCK_SIZE as usize]);
+        }
+        registry
+    }
+
+    fn slot(&self, key: u64) -> usize {
+        key as usize & (self.slots.len() - 1)
+    }
+
+    /// The next cached block, evicted: its key read and its map slot cleared.
+    fn evict(&mut self) -> u32 {
+        let block = self.evictions[self.next_eviction];
+        self.next_eviction = (self.next_eviction + 1) % self.evictions.len();
+        let slot = self.slot(self.lines[block as usize].0[0]);
+        self.slots[slot] = u64::MAX;
+        block
+    }
+
+    /// Registers `block`: its line (the key stands for all of it), its tokens, its map slot.
+    fn register(&mut self, block: u32, tokens: &[Token]) {
+        let key = self.keys.next();
+        let b = block as usize;
+        self.lines[b] = Line([key; 8]);
+        self.tokens[b].copy_from_slice(tokens);
+        let slot = self.slot(key);
+        self.slots[slot] = key << 32 | u64::from(block);
+    }
 }
 
 impl Floor {
-    /// The batch's sequences as of `decoding` (same lengths).
-    pub fn new(decoding: &Decoding) -> Floor {
+    /// The batch's sequences as `decoding` has them, as if just prefilled (a batch's first step
+    /// registers their full blocks), with prefix caching's traffic if `registry` is given.
+    pub fn new(decoding: &Decoding, registry: Option<Registry>) -> Floor {
         let tokens: Vec<Vec<Token>> = decoding
             .seqs
             .iter()
@@ -29,7 +106,7 @@ impl Floor {
                 t
             })
             .collect();
-        let tables = decoding
+        let tables: Vec<Vec<u32>> = decoding
             .seqs
             .iter()
             .map(|&s| {
@@ -39,34 +116,58 @@ impl Floor {
             })
             .collect();
         Floor {
+            prompt_lens: tokens.iter().map(Vec::len).collect(),
+            table_lens: tables.iter().map(Vec::len).collect(),
             tokens,
             tables,
             inputs: std::array::from_fn(|_| Vec::with_capacity(BATCH + 1)),
+            registry,
+            steps: 0,
         }
     }
 
-    /// Times `iters` floor steps (lengths reset outside the timed part).
+    /// Times `iters` floor steps; after `MAX_STEPS` of them the batch starts over, as
+    /// `Decoding` replaces its batch (lengths reset outside the timed part).
     pub fn time(&mut self, iters: u64) -> Duration {
         let mut elapsed = Duration::ZERO;
         let mut left = iters as usize;
-        let token_lens: Vec<usize> = self.tokens.iter().map(Vec::len).collect();
-        let table_lens: Vec<usize> = self.tables.iter().map(Vec::len).collect();
         while left > 0 {
-            let chunk = left.min(MAX_STEPS);
+            let chunk = left.min(MAX_STEPS - self.steps);
             let start = Instant::now();
+            if self.steps == 0 {
+                self.register_prompts();
+            }
             for step in 0..chunk {
                 self.step(step as Token);
             }
             elapsed += start.elapsed();
             left -= chunk;
-            for (t, &n) in self.tokens.iter_mut().zip(&token_lens) {
-                t.truncate(n);
-            }
-            for (t, &n) in self.tables.iter_mut().zip(&table_lens) {
-                t.truncate(n);
+            self.steps += chunk;
+            if self.steps == MAX_STEPS {
+                self.steps = 0;
+                for (t, &n) in self.tokens.iter_mut().zip(&self.prompt_lens) {
+                    t.truncate(n);
+                }
+                for (t, &n) in self.tables.iter_mut().zip(&self.table_lens) {
+                    t.truncate(n);
+                }
             }
         }
         elapsed
+    }
+
+    /// The prefill's registrations: every prompt's full blocks.
+    fn register_prompts(&mut self) {
+        let Some(registry) = &mut self.registry else {
+            return;
+        };
+        let bs = BLOCK_SIZE as usize;
+        let prompts = self.tokens.iter().zip(&self.tables).zip(&self.prompt_lens);
+        for ((tokens, table), &len) in prompts {
+            for (&block, tokens) in table.iter().zip(tokens[..len].chunks_exact(bs)) {
+                registry.register(block, tokens);
+            }
+        }
     }
 
     fn step(&mut self, token: Token) {
@@ -78,7 +179,13 @@ impl Floor {
             tokens.push(black_box(token));
             let len = tokens.len();
             if len % bs == 1 {
-                table.push(len as u32);
+                table.push(match &mut self.registry {
+                    Some(registry) => registry.evict(),
+                    None => len as u32,
+                });
+            } else if let (0, Some(registry)) = (len % bs, &mut self.registry) {
+                let block = *table.last().unwrap();
+                registry.register(block, &tokens[len - bs..]);
             }
             let last = *table.last().unwrap() as i32;
             let [positions, slots, pages, last_len] = &mut self.inputs;
