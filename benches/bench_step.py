@@ -13,11 +13,14 @@ counts, step counts and plan shapes, and equal physical blocks for the two `step
     python benches/bench_step.py --quick         # CI smoke run
     python benches/bench_step.py --requests 4000 --seed 7 --enforce
     python benches/bench_step.py --against /tmp/base/python   # this build against another one
+    python benches/bench_step.py --breakdown     # ... and where step_batch's time goes
 
 With `--against DIR` it times pagedkv alone (`step`, or `step_batch` with `--batch`), this
 build and the build whose `pagedkv` package is in DIR (e.g. another revision's `python/` with
 its compiled `_core`), each in a fresh interpreter, alternating for `--rounds` rounds, and
-prints the medians and their ratio.
+prints the medians and their ratio. With `--breakdown` it also replays the `step_batch` loop's
+calls (replay.py) to split its time: the loop's own work between steps, the steps that commit a
+prefill, check rows after a free or run out of blocks, prefix caching, and the call itself.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ import numpy.typing as npt
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from python_baseline import PythonBlockManager
+from replay import KINDS, Recorder, call_ns, replay
 
 from pagedkv import Batch, BlockManager, OutOfBlocks
 
@@ -103,14 +108,20 @@ def decode_tokens_at(seq_ids: npt.NDArray[np.int64], positions: npt.NDArray[np.i
     return ((seq_ids * 7919 + positions) % VOCAB).astype(np.int32)
 
 
-def serve(mgr: Any, trace: Trace, max_running: int, persistent: bool = False) -> RunResult:
+def serve(
+    mgr: Any,
+    trace: Trace,
+    max_running: int,
+    persistent: bool = False,
+    new_batch: Callable[[], Any] = Batch,
+) -> RunResult:
     """Run the whole trace through `mgr`; seq ids are request indices.
 
-    With `persistent`, the decode steps go through one `pagedkv.Batch` (`step_batch`): rows are
+    With `persistent`, the decode steps go through one `new_batch()` (`step_batch`): rows are
     added on admission and removed on finish or preemption, and each step's tokens are put in
     row order (outside the timed region, like computing them).
     """
-    batch = Batch() if persistent else None
+    batch = new_batch() if persistent else None
     rows: npt.NDArray[np.int64] | None = None  # where each batch row is in `ids`; None: stale
     prompts = list(trace.prompts)  # grows by the generated tokens when a request is preempted
     left_of = trace.output_lens.copy()
@@ -212,6 +223,65 @@ def report(name: str, r: RunResult) -> None:
     )
 
 
+def breakdown(args: argparse.Namespace, trace: Trace) -> None:
+    """Where `step_batch`'s time goes in this loop: the loop's calls replayed with nothing
+    between them (see replay.py), with prefix caching on and off, and the call's fixed cost.
+    Live runs and replays alike are medians of `args.replays` runs."""
+    print("where step_batch's time goes (replayed: the same calls again, nothing between them)")
+    replayed = {}
+    for caching in (True, False):
+
+        def new_manager(caching: bool = caching) -> BlockManager:
+            return BlockManager(
+                args.num_blocks,
+                args.block_size,
+                hash_key=bytes(32),
+                enable_prefix_caching=caching,
+            )
+
+        lives = []
+        for _ in range(args.replays):
+            gc.collect()
+            lives.append(serve(new_manager(), trace, args.max_running, persistent=True))
+        live = sorted(lives, key=lambda r: r.step_ns)[len(lives) // 2]
+        if caching:
+            mean_batch = live.decode_tokens / live.steps
+        recorder = Recorder(new_manager())
+        recorded = serve(recorder, trace, args.max_running, True, recorder.new_batch)
+        assert recorded.steps == live.steps and recorded.digest == live.digest
+        gc.collect()
+        runs = sorted(
+            (replay(recorder.calls, new_manager) for _ in range(args.replays)),
+            key=lambda r: r.ns_per_token(),
+        )
+        run = runs[len(runs) // 2]
+        assert run.tokens == live.decode_tokens
+        replayed[caching] = run.ns_per_token()
+        live_ns = live.step_ns / live.decode_tokens
+        print(
+            f"  prefix caching {'on' if caching else 'off'}: live {live_ns:.1f} ns/decode token, "
+            f"replayed {replayed[caching]:.1f} (medians of {args.replays}; the loop's own work "
+            f"between steps costs the step {live_ns - replayed[caching]:.1f}); "
+            f"{live.preemptions} preemptions"
+        )
+        total = sum(run.ns.values())
+        for kind in KINDS:
+            if run.steps[kind]:
+                print(
+                    f"    {kind:>18}: {run.steps[kind]:5} steps, {run.ns[kind] / total:6.1%} of "
+                    f"the time, {run.ns[kind] / run.steps[kind] / 1e3:6.2f} us a step"
+                )
+    call = call_ns()
+    print(
+        f"  registering, hashing and evicting blocks (replayed, on minus off; the schedules "
+        f"differ a little): {replayed[True] - replayed[False]:.1f} ns/decode token"
+    )
+    print(
+        f"  the call itself (step_batch on an empty batch): {call:.0f} ns, "
+        f"{call / mean_batch:.1f} ns/decode token at the mean batch of {mean_batch:.1f}"
+    )
+
+
 def against(args: argparse.Namespace, argv: list[str]) -> int:
     """Times this build and the one in `args.against`, alternating, in fresh interpreters."""
     ours = str(Path(__file__).resolve().parents[1] / "python")
@@ -251,6 +321,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --against (default 3)")
     parser.add_argument(
         "--batch", action="store_true", help="--against times step_batch instead of step"
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also replay the step_batch loop's calls to show where its time goes",
+    )
+    parser.add_argument(
+        "--replays", type=int, default=5, help="replays of each loop for --breakdown (default 5)"
     )
     parser.add_argument("--pagedkv-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -302,6 +380,8 @@ def main() -> int:
         f"loop speedup {ref.total_ns / batch.total_ns:.1f}x, "
         f"step_batch {ns:.1f} ns/decode token (target <= {TARGET_NS_PER_TOKEN:.0f})"
     )
+    if args.breakdown:
+        breakdown(args, trace)
     met = ns <= TARGET_NS_PER_TOKEN and speedup >= TARGET_SPEEDUP
     print("targets met" if met else "TARGETS MISSED")
     return 0 if met or not args.enforce else 1

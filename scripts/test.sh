@@ -50,7 +50,7 @@ python3 dist/device-kit/run_device_check.py --install-only --target "$KIT_TARGET
 export PAGEDKV_FLASHINFER_SITE="$KIT_TARGET"
 
 step "benchmark smoke run (figures only; targets are reported, not enforced)"
-python3 benches/bench_step.py --quick
+python3 benches/bench_step.py --quick --breakdown
 python3 benches/bench_tier.py --quick
 
 step "python: pytest"

@@ -1,0 +1,37 @@
+"""benches/replay.py makes a recorded loop's calls again with the same outcomes, so the split of
+step time that `bench_step.py --breakdown` prints is of the same steps."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
+
+from bench_step import make_trace, serve
+from replay import KINDS, Recorder, call_ns, replay
+
+from pagedkv import BlockManager
+
+
+def test_a_replay_takes_the_recorded_steps() -> None:
+    trace = make_trace(60, 0)
+
+    def new_manager() -> BlockManager:
+        return BlockManager(400, 16, hash_key=bytes(32))
+
+    recorder = Recorder(new_manager())
+    live = serve(recorder, trace, 16, True, recorder.new_batch)
+    plain = serve(new_manager(), trace, 16, persistent=True)
+    assert (live.steps, live.digest, live.preemptions) == (
+        plain.steps,
+        plain.digest,
+        plain.preemptions,
+    )
+    again = replay(recorder.calls, new_manager)
+    assert again.tokens == live.decode_tokens
+    assert again.steps["out of blocks"] == live.preemptions > 0
+    assert sum(again.steps.values()) == live.steps + live.preemptions
+    assert all(again.steps[kind] > 0 for kind in KINDS)
+    assert again.ns_per_token() > 0
+    assert call_ns(rounds=1, calls=10) > 0
