@@ -51,6 +51,10 @@ pub struct Batch {
     /// The lock counts of the shards the last step locked: a shard nothing else locked since
     /// holds its rows' sequences exactly as that step left them.
     locks: Option<ShardLocks>,
+    /// What the next step's settled rows append if every shard is untouched, counted by the
+    /// last step ([`Batch::write_inputs`], which also flagged those rows settled); `None` once
+    /// a row was added or removed, or a step used or passed over it.
+    ahead: Option<Appends>,
 }
 
 /// What a batch knows of a row's sequence since its last step (its length and blocks are in
@@ -61,10 +65,6 @@ struct Row {
     member: Option<Member>,
     /// The table version the row mirrors (0: none yet, the row was not stepped).
     epoch: u64,
-    /// The sequence decodes as settled while it is shorter than this (0: never; the last step
-    /// left something in flight, or none stepped the row). Set by the manager that stepped the
-    /// row, from the sequence's state and its own configuration.
-    settled_below: u32,
 }
 
 /// Each row's length and blocks as of the last step, one array per field, so a step writes
@@ -77,8 +77,13 @@ struct RowEnds {
     pages: Vec<u32>,
     /// Each row's last block (its entry `pages - 1`), which the step's slot is in.
     last: Vec<BlockId>,
-    /// Whether this step's first pass found the row settled: its second pass appends to it as
-    /// one, and its length grows by the token once the step's appends are done.
+    /// The row's sequence decodes as settled while it is shorter than this (0: never; the
+    /// last step left something in flight, or none stepped the row, so a row with more has
+    /// a member). Set by the manager that stepped the row, from the sequence's state and its
+    /// own configuration.
+    below: Vec<u32>,
+    /// Whether the row is settled in this step: its second pass appends to it as one, and its
+    /// length grows by the token once the step's appends are done.
     settled: Vec<bool>,
 }
 
@@ -87,12 +92,18 @@ impl RowEnds {
         self.len.push(0);
         self.pages.push(0);
         self.last.push(0);
+        self.below.push(0);
         self.settled.push(false);
     }
 
     /// Moves row `from` into row `to`, then drops the last row.
     fn move_and_pop(&mut self, from: usize, to: usize) {
-        for array in [&mut self.len, &mut self.pages, &mut self.last] {
+        for array in [
+            &mut self.len,
+            &mut self.pages,
+            &mut self.last,
+            &mut self.below,
+        ] {
             array[to] = array[from];
             array.pop();
         }
@@ -103,21 +114,64 @@ impl RowEnds {
         self.len.clear();
         self.pages.clear();
         self.last.clear();
+        self.below.clear();
         self.settled.clear();
     }
 
     fn pages(&self, row: usize) -> usize {
         self.pages[row] as usize
     }
+
+    /// Adds the step's token to each settled row's length, then flags the rows settled in the
+    /// next step if nothing else touches their shards, and counts their appends (blocks of
+    /// `bs` tokens).
+    fn step_settled(&mut self, bs: BlockSize) -> Appends {
+        step_settled(
+            &mut self.len,
+            &mut self.settled,
+            &self.pages,
+            &self.below,
+            bs,
+        )
+    }
+}
+
+/// [`RowEnds::step_settled`] on the arrays: branch-free, in `i32` (lengths and pages are at
+/// most `MAX_TOKENS`, `i32::MAX`), and out of line so that the compiler knows the arrays apart:
+/// it vectorizes it with the x86-64 baseline's SSE2.
+#[inline(never)]
+fn step_settled(
+    lens: &mut [u32],
+    settled: &mut [bool],
+    pages: &[u32],
+    below: &[u32],
+    bs: BlockSize,
+) -> Appends {
+    let (size, mask) = (bs.get() as i32, bs.get() as i32 - 1);
+    let pow2 = size.count_ones() == 1;
+    let (mut new_blocks, mut widest) = (0i32, 0i32);
+    let rows = (lens.iter_mut().zip(settled)).zip(pages.iter().zip(below));
+    for ((len, settled), (&pages, &below)) in rows {
+        let now = *len as i32 + i32::from(*settled);
+        *len = now as u32;
+        *settled = now < below as i32;
+        let offset = if pow2 { now & mask } else { now % size };
+        let fresh = i32::from(*settled & (offset == 0));
+        let pages_after = if *settled { pages as i32 + fresh } else { 0 };
+        new_blocks += fresh;
+        widest = widest.max(pages_after);
+    }
+    Appends {
+        new_blocks: new_blocks as usize,
+        widest: widest as usize,
+    }
 }
 
 /// What a decode step's appends take, counted in its first pass.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Appends {
     /// Rows whose token takes a new block (their last one is full).
     pub(crate) new_blocks: usize,
-    /// Pages of all rows after the step.
-    pub(crate) nnz: usize,
     /// Pages of the widest row after the step.
     pub(crate) widest: usize,
 }
@@ -125,13 +179,13 @@ pub(crate) struct Appends {
 impl Appends {
     /// Counts the append of one token to a sequence of `len` tokens in `pages` blocks of `bs`
     /// tokens: a table has exactly the pages of its tokens, so the token takes a new block
-    /// exactly when the last one is full.
+    /// exactly when the last one is full. Returns the sequence's pages after it.
     #[inline(always)]
-    pub(crate) fn add(&mut self, len: usize, pages: usize, bs: BlockSize) {
+    pub(crate) fn add(&mut self, len: usize, pages: usize, bs: BlockSize) -> usize {
         let new_block = usize::from(bs.offset(len) == 0);
         self.new_blocks += new_block;
-        self.nnz += pages + new_block;
         self.widest = self.widest.max(pages + new_block);
+        pages + new_block
     }
 }
 
@@ -172,6 +226,7 @@ impl Batch {
             updates: TableUpdates::default(),
             inputs,
             locks: None,
+            ahead: None,
         }
     }
 
@@ -215,6 +270,7 @@ impl Batch {
             *shards |= shard_bit(seq);
         }
         self.inputs.clear();
+        self.ahead = None;
         Ok(())
     }
 
@@ -250,6 +306,7 @@ impl Batch {
         self.table.truncate(self.ids.len() * self.width);
         self.shards = None;
         self.inputs.clear();
+        self.ahead = None;
         Ok(())
     }
 
@@ -263,6 +320,7 @@ impl Batch {
         self.shards = Some(0);
         self.log_full();
         self.inputs.clear();
+        self.ahead = None;
     }
 
     /// Columns of the block table.
@@ -334,20 +392,48 @@ impl Batch {
 
     /// Marks the settled rows for [`Batch::is_settled`]: those in a shard in `untouched` whose
     /// sequence is shorter than the length the last step recorded ([`Batch::record_row`]).
-    /// Returns what their appends take (blocks of `bs` tokens), from what the batch kept.
+    /// Returns what their appends take (blocks of `bs` tokens), from what the batch kept. When
+    /// every shard of the batch is untouched, the last step already flagged and counted them.
     pub(crate) fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends {
+        let all = self.shards();
+        if let Some(ahead) = self.ahead.take().filter(|_| untouched & all == all) {
+            debug_assert!((0..self.len())
+                .all(|row| { self.ends.settled[row] == self.settles(row, untouched) }));
+            debug_assert_eq!(ahead, self.appends_of_settled(bs));
+            return ahead;
+        }
+        self.settle_each(untouched, bs)
+    }
+
+    /// [`Batch::settle`] row by row.
+    fn settle_each(&mut self, untouched: u32, bs: BlockSize) -> Appends {
         let mut appends = Appends::default();
-        let ends = &mut self.ends;
-        let rows = (self.rows.iter().zip(&mut ends.settled)).zip(ends.len.iter().zip(&ends.pages));
-        for ((r, settled), (&len, &pages)) in rows {
-            *settled = len < r.settled_below
-                && r.member
-                    .is_some_and(|member| untouched & member.shard_bit() != 0);
-            if *settled {
-                appends.add(len as usize, pages as usize, bs);
+        for row in 0..self.len() {
+            let settled = self.settles(row, untouched);
+            self.ends.settled[row] = settled;
+            if settled {
+                appends.add(self.ends.len[row] as usize, self.ends.pages(row), bs);
             }
         }
         appends
+    }
+
+    /// What the appends of the rows flagged settled take (a check of [`Batch::settle`]).
+    fn appends_of_settled(&self, bs: BlockSize) -> Appends {
+        let mut appends = Appends::default();
+        for row in (0..self.len()).filter(|&row| self.ends.settled[row]) {
+            appends.add(self.ends.len[row] as usize, self.ends.pages(row), bs);
+        }
+        appends
+    }
+
+    /// Whether row `row` is settled in a step that found the shards `untouched`.
+    #[inline(always)]
+    fn settles(&self, row: usize, untouched: u32) -> bool {
+        self.ends.len[row] < self.ends.below[row]
+            && self.rows[row]
+                .member
+                .is_some_and(|member| untouched & member.shard_bit() != 0)
     }
 
     /// Whether [`Batch::settle`] found row `row` settled in this step.
@@ -360,7 +446,7 @@ impl Batch {
     /// shorter than `settled_below` (0: it does not).
     #[inline(always)]
     pub(crate) fn record_row(&mut self, row: usize, settled_below: usize) {
-        self.rows[row].settled_below = settled_below as u32;
+        self.ends.below[row] = settled_below as u32;
     }
 
     /// Records the lock counts of a step's shards, once the step succeeded.
@@ -501,12 +587,12 @@ impl Batch {
 
     /// Adds the step's token to each settled row's length, then writes the step's attention
     /// inputs from the rows' ends (their lengths, pages and last blocks), with blocks of `bs`
-    /// tokens; the copies were handed over row by row.
+    /// tokens; the copies were handed over row by row. First flags the rows the next step
+    /// finds settled if nothing else touches their shards, and counts their appends
+    /// ([`Batch::settle`]).
     pub(crate) fn write_inputs(&mut self, bs: BlockSize) {
         let n = self.ids.len();
-        for (len, &settled) in self.ends.len.iter_mut().zip(&self.ends.settled) {
-            *len += u32::from(settled);
-        }
+        self.ahead = Some(self.ends.step_settled(bs));
         let (ends, inputs) = (&self.ends, &mut self.inputs);
         inputs.block_size = bs.get() as u32;
         inputs.kv_indices.clear();

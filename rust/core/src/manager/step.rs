@@ -85,7 +85,8 @@ impl BlockManager {
         // A row whose sequence is as the batch's last step left it is checked from what the
         // batch kept; any other is found and checked in full.
         let mut appends = rows.settle(untouched, self.bs);
-        let (mut needed, mut copying) = (0, false);
+        // Pages of the rows checked in full (a list's plan reserves its CSR for them).
+        let (mut needed, mut copying, mut nnz) = (0, false, 0);
         for row in 0..n {
             if rows.is_settled(row) {
                 continue;
@@ -95,16 +96,12 @@ impl BlockManager {
             self.prepare_commit(s, rows.member(row), to_hash.as_mut());
             copying |= !s.copying.is_empty();
             needed += usize::from(self.must_copy_tail(s));
-            appends.add(s.tokens.len(), s.table.len(), self.bs);
+            nnz += appends.add(s.tokens.len(), s.table.len(), self.bs);
             if let Some(pending) = to_hash.as_mut().filter(|p| p.n == LANES) {
                 self.hash_together(&mut batch, pending);
             }
         }
-        let Appends {
-            new_blocks,
-            nnz,
-            widest,
-        } = appends;
+        let Appends { new_blocks, widest } = appends;
         needed += new_blocks;
         if let Some(pending) = &mut to_hash {
             self.hash_together(&mut batch, pending);
@@ -481,7 +478,7 @@ trait DecodeRows {
     fn is_settled(&self, row: usize) -> bool;
     /// Makes room for rows of up to `pages` blocks, before anything changes.
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
-    /// Starts the inputs: `nnz` pages in all.
+    /// Starts the inputs: `nnz` pages in the rows checked in full (all of a list's).
     fn begin(&mut self, nnz: usize, bs: BlockSize);
     /// Adds row `row`'s inputs after its append, and hands over its copies; `s` decodes as
     /// settled below length `settled_below` in later steps.
