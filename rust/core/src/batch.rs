@@ -397,8 +397,8 @@ impl Batch {
     pub(crate) fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends {
         let all = self.shards();
         if let Some(ahead) = self.ahead.take().filter(|_| untouched & all == all) {
-            debug_assert!((0..self.len())
-                .all(|row| { self.ends.settled[row] == self.settles(row, untouched) }));
+            let flagged = |row| self.ends.settled[row] == self.settles(row, untouched);
+            debug_assert!((0..self.len()).all(flagged));
             debug_assert_eq!(ahead, self.appends_of_settled(bs));
             return ahead;
         }
