@@ -52,6 +52,8 @@ export PAGEDKV_FLASHINFER_SITE="$KIT_TARGET"
 step "benchmark smoke run (figures only; targets are reported, not enforced)"
 python3 benches/bench_step.py --quick --breakdown
 python3 benches/bench_tier.py --quick
+# Builds this tree's decode loop and HEAD's into one binary (the two are the same code here).
+python3 benches/compare.py --rev HEAD --in-process --rounds 8
 
 step "python: pytest"
 python3 -m pytest -q
