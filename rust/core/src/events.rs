@@ -65,17 +65,21 @@ impl EventLog {
         self.enabled
     }
 
-    /// Records an event built by `kind` (not called at all when disabled).
+    /// Records an event built by `kind` (not called at all when disabled: the check is inlined
+    /// into the hot paths that record, the rest is not).
+    #[inline(always)]
     pub(crate) fn record(&self, kind: impl FnOnce() -> EventKind) {
         if self.enabled {
-            let mut log = lock(&self.log);
-            let seq_no = log.0;
-            log.0 += 1;
-            log.1.push(Event {
-                seq_no,
-                kind: kind(),
-            });
+            self.push(kind());
         }
+    }
+
+    #[inline(never)]
+    fn push(&self, kind: EventKind) {
+        let mut log = lock(&self.log);
+        let seq_no = log.0;
+        log.0 += 1;
+        log.1.push(Event { seq_no, kind });
     }
 
     /// Removes and returns the pending events.

@@ -170,6 +170,7 @@ impl Region<'_> {
     }
 
     /// The empty slot `key` would take, if `key` is not mapped and the region has room.
+    #[inline]
     pub(crate) fn vacancy(
         &self,
         key: MapKey,

@@ -184,16 +184,16 @@ impl BlockManager {
         (s.registered + 1..s.registered + REGISTRATIONS_AHEAD).for_each(prefetch);
         for i in s.registered..upto {
             prefetch(i + REGISTRATIONS_AHEAD);
-            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            let (hash, parent) = (block_hash_of(&s.hashes[i]), block_hash_of(&parent));
             let block = s.table[i];
             let (key, chain) = (s.keys[i], &s.hashes[i]);
             prefix.register(block, key, s.parent_key(i), chain, tokens, || {
                 self.gpu.mark_hashed(block);
                 self.events.record(|| EventKind::BlockStored {
-                    block_hash: hash,
-                    parent_hash: (i > 0).then_some(parent),
+                    block_hash: block_hash_of(chain),
+                    parent_hash: i
+                        .checked_sub(1)
+                        .map(|parent| block_hash_of(&s.hashes[parent])),
                     token_ids: tokens.to_vec(),
                     block_id: block,
                     medium: PoolKind::Gpu,
