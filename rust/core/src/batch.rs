@@ -442,6 +442,13 @@ impl Batch {
         self.ends.settled[row]
     }
 
+    /// The first row from `row` on that [`Batch::settle`] did not find settled.
+    #[inline(always)]
+    pub(crate) fn unsettled_from(&self, row: usize) -> Option<usize> {
+        let rest = self.ends.settled.get(row..)?;
+        rest.iter().position(|&settled| !settled).map(|i| row + i)
+    }
+
     /// Records, after a step synced row `row`, that its sequence decodes as settled while
     /// shorter than `settled_below` (0: it does not).
     #[inline(always)]

@@ -87,10 +87,9 @@ impl BlockManager {
         let mut appends = rows.settle(untouched, self.bs);
         // Pages of the rows checked in full (a list's plan reserves its CSR for them).
         let (mut needed, mut copying, mut nnz) = (0, false, 0);
-        for row in 0..n {
-            if rows.is_settled(row) {
-                continue;
-            }
+        let mut next = rows.unsettled_from(0);
+        while let Some(row) = next {
+            next = rows.unsettled_from(row + 1);
             let s = rows.visit(&mut batch, row, stamp)?;
             decodable(rows.id(row), s)?;
             self.prepare_commit(s, rows.member(row), to_hash.as_mut());
@@ -476,6 +475,8 @@ trait DecodeRows {
     fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends;
     /// Whether [`DecodeRows::settle`] found row `row` settled in this step.
     fn is_settled(&self, row: usize) -> bool;
+    /// The first row from `row` on that is not settled.
+    fn unsettled_from(&self, row: usize) -> Option<usize>;
     /// Makes room for rows of up to `pages` blocks, before anything changes.
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
     /// Starts the inputs: `nnz` pages in the rows checked in full (all of a list's).
@@ -546,6 +547,9 @@ impl DecodeRows for Listed<'_> {
     fn is_settled(&self, _row: usize) -> bool {
         false
     }
+    fn unsettled_from(&self, row: usize) -> Option<usize> {
+        (row < self.seqs.len()).then_some(row)
+    }
     fn fit(&mut self, _pages: usize) -> Result<(), Error> {
         Ok(())
     }
@@ -589,6 +593,10 @@ impl DecodeRows for Batch {
     #[inline(always)]
     fn is_settled(&self, row: usize) -> bool {
         Batch::is_settled(self, row)
+    }
+    #[inline(always)]
+    fn unsettled_from(&self, row: usize) -> Option<usize> {
+        Batch::unsettled_from(self, row)
     }
     fn fit(&mut self, pages: usize) -> Result<(), Error> {
         Batch::fit(self, pages)
