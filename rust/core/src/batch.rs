@@ -82,17 +82,20 @@ struct RowEnds {
     /// a member). Set by the manager that stepped the row, from the sequence's state and its
     /// own configuration.
     below: Vec<u32>,
+    /// The bit of the row's sequence's shard (as `SequenceMap::lock_shards` takes them).
+    shard: Vec<u32>,
     /// Whether the row is settled in this step: its second pass appends to it as one, and its
     /// length grows by the token once the step's appends are done.
     settled: Vec<bool>,
 }
 
 impl RowEnds {
-    fn push(&mut self) {
+    fn push(&mut self, seq: SeqId) {
         self.len.push(0);
         self.pages.push(0);
         self.last.push(0);
         self.below.push(0);
+        self.shard.push(shard_bit(seq));
         self.settled.push(false);
     }
 
@@ -103,6 +106,7 @@ impl RowEnds {
             &mut self.pages,
             &mut self.last,
             &mut self.below,
+            &mut self.shard,
         ] {
             array[to] = array[from];
             array.pop();
@@ -115,6 +119,7 @@ impl RowEnds {
         self.pages.clear();
         self.last.clear();
         self.below.clear();
+        self.shard.clear();
         self.settled.clear();
     }
 
@@ -122,39 +127,50 @@ impl RowEnds {
         self.pages[row] as usize
     }
 
-    /// Adds the step's token to each settled row's length, then flags the rows settled in the
-    /// next step if nothing else touches their shards, and counts their appends (blocks of
-    /// `bs` tokens).
-    fn step_settled(&mut self, bs: BlockSize) -> Appends {
-        step_settled(
-            &mut self.len,
-            &mut self.settled,
-            &self.pages,
-            &self.below,
-            bs,
-        )
+    /// Flags the rows settled in a step that finds the shards `untouched` (those whose sequence
+    /// is shorter than their `below` and whose shard is in it); returns what their appends
+    /// take (blocks of `bs` tokens). `AFTER_STEP`: at the end of a step, which first adds its
+    /// token to the length of each row it flagged, for the next step if it finds every shard
+    /// untouched (`untouched` is not read).
+    fn flag_settled<const AFTER_STEP: bool>(&mut self, untouched: u32, bs: BlockSize) -> Appends {
+        let rows = RowArrays {
+            lens: &mut self.len,
+            settled: &mut self.settled,
+            pages: &self.pages,
+            below: &self.below,
+            shard: &self.shard,
+        };
+        flag_settled::<AFTER_STEP>(rows, untouched, bs)
     }
 }
 
-/// [`RowEnds::step_settled`] on the arrays: branch-free, in `i32` (lengths and pages are at
-/// most `MAX_TOKENS`, `i32::MAX`), and out of line so that the compiler knows the arrays apart:
-/// it vectorizes it with the x86-64 baseline's SSE2.
+/// The arrays [`RowEnds::flag_settled`] reads and writes.
+struct RowArrays<'a> {
+    lens: &'a mut [u32],
+    settled: &'a mut [bool],
+    pages: &'a [u32],
+    below: &'a [u32],
+    shard: &'a [u32],
+}
+
+/// [`RowEnds::flag_settled`] on the arrays: branch-free, in `i32` (lengths and pages are at most
+/// `MAX_TOKENS`, `i32::MAX`), and out of line so that the compiler knows the arrays apart: it
+/// vectorizes it with the x86-64 baseline's SSE2.
 #[inline(never)]
-fn step_settled(
-    lens: &mut [u32],
-    settled: &mut [bool],
-    pages: &[u32],
-    below: &[u32],
+fn flag_settled<const AFTER_STEP: bool>(
+    rows: RowArrays<'_>,
+    untouched: u32,
     bs: BlockSize,
 ) -> Appends {
     let (size, mask) = (bs.get() as i32, bs.get() as i32 - 1);
     let pow2 = size.count_ones() == 1;
     let (mut new_blocks, mut widest) = (0i32, 0i32);
-    let rows = (lens.iter_mut().zip(settled)).zip(pages.iter().zip(below));
-    for ((len, settled), (&pages, &below)) in rows {
-        let now = *len as i32 + i32::from(*settled);
+    let lens = rows.lens.iter_mut().zip(rows.settled);
+    let ends = (rows.pages.iter().zip(rows.below)).zip(rows.shard);
+    for ((len, settled), ((&pages, &below), &shard)) in lens.zip(ends) {
+        let now = *len as i32 + i32::from(*settled & AFTER_STEP);
         *len = now as u32;
-        *settled = now < below as i32;
+        *settled = (now < below as i32) & (AFTER_STEP || shard & untouched != 0);
         let offset = if pow2 { now & mask } else { now % size };
         let fresh = i32::from(*settled & (offset == 0));
         let pages_after = if *settled { pages as i32 + fresh } else { 0 };
@@ -264,7 +280,7 @@ impl Batch {
         self.row_of.insert(seq, self.ids.len());
         self.ids.push(seq);
         self.rows.push(Row::default());
-        self.ends.push();
+        self.ends.push(seq);
         self.table.resize(self.table.len() + self.width, PAD);
         if let Some(shards) = &mut self.shards {
             *shards |= shard_bit(seq);
@@ -396,25 +412,13 @@ impl Batch {
     /// every shard of the batch is untouched, the last step already flagged and counted them.
     pub(crate) fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends {
         let all = self.shards();
-        if let Some(ahead) = self.ahead.take().filter(|_| untouched & all == all) {
-            let flagged = |row| self.ends.settled[row] == self.settles(row, untouched);
-            debug_assert!((0..self.len()).all(flagged));
-            debug_assert_eq!(ahead, self.appends_of_settled(bs));
-            return ahead;
-        }
-        self.settle_each(untouched, bs)
-    }
-
-    /// [`Batch::settle`] row by row.
-    fn settle_each(&mut self, untouched: u32, bs: BlockSize) -> Appends {
-        let mut appends = Appends::default();
-        for row in 0..self.len() {
-            let settled = self.settles(row, untouched);
-            self.ends.settled[row] = settled;
-            if settled {
-                appends.add(self.ends.len[row] as usize, self.ends.pages(row), bs);
-            }
-        }
+        let appends = match self.ahead.take().filter(|_| untouched & all == all) {
+            Some(ahead) => ahead,
+            None => self.ends.flag_settled::<false>(untouched, bs),
+        };
+        let flagged = |row| self.ends.settled[row] == self.settles(row, untouched);
+        debug_assert!((0..self.len()).all(flagged));
+        debug_assert_eq!(appends, self.appends_of_settled(bs));
         appends
     }
 
@@ -599,7 +603,7 @@ impl Batch {
     /// ([`Batch::settle`]).
     pub(crate) fn write_inputs(&mut self, bs: BlockSize) {
         let n = self.ids.len();
-        self.ahead = Some(self.ends.step_settled(bs));
+        self.ahead = Some(self.ends.flag_settled::<true>(u32::MAX, bs));
         let (ends, inputs) = (&self.ends, &mut self.inputs);
         inputs.block_size = bs.get() as u32;
         inputs.kv_indices.clear();
