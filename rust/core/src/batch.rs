@@ -85,7 +85,8 @@ struct RowEnds {
     /// The bit of the row's sequence's shard (as `SequenceMap::lock_shards` takes them).
     shard: Vec<u32>,
     /// Whether the row is settled in this step: its second pass appends to it as one, and its
-    /// length grows by the token once the step's appends are done.
+    /// length grows by the token once the step's appends are done. Between steps: whether it
+    /// is in the next one if that finds every shard untouched.
     settled: Vec<bool>,
 }
 
@@ -431,8 +432,8 @@ impl Batch {
         appends
     }
 
-    /// Whether row `row` is settled in a step that found the shards `untouched`.
-    #[inline(always)]
+    /// Whether row `row` is settled in a step that found the shards `untouched`, by definition
+    /// (what debug builds check [`Batch::settle`]'s flags against).
     fn settles(&self, row: usize, untouched: u32) -> bool {
         self.ends.len[row] < self.ends.below[row]
             && self.rows[row]

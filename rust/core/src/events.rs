@@ -74,6 +74,7 @@ impl EventLog {
         }
     }
 
+    /// Appends an event under the next sequence number.
     #[inline(never)]
     fn push(&self, kind: EventKind) {
         let mut log = lock(&self.log);
