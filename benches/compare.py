@@ -13,9 +13,10 @@ any summary line a bench prints as `<what>: <number> us`.
 
 With `--in-process` it runs instead the `manager` bench's decode loop (`step_batch` at batch
 256, prefix caching on and off, warm and cold) on both builds in one process, alternating
-every 512 steps (`benches/support/in_process.rs`, in a crate generated in this tree's target
-folder that links both builds, the baseline's renamed `pagedkv_base`): both builds then run in
-the same machine phase, and the median of the rounds' ratios resolves a few percent where two
+every 512 steps, over 8 pairs of fresh managers (`benches/support/in_process.rs`, in a crate
+generated in this tree's target folder that links both builds, the baseline's renamed
+`pagedkv_base`): both builds then run in the same machine phase, and the median of the rounds'
+ratios resolves a few percent (a build against itself: 0.97-1.00 over 96 rounds) where two
 separate runs on a noisy machine do not.
 """
 
