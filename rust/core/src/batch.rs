@@ -91,12 +91,12 @@ struct RowEnds {
 }
 
 impl RowEnds {
-    fn push(&mut self, seq: SeqId) {
+    fn push(&mut self, shard: u32) {
         self.len.push(0);
         self.pages.push(0);
         self.last.push(0);
         self.below.push(0);
-        self.shard.push(shard_bit(seq));
+        self.shard.push(shard);
         self.settled.push(false);
     }
 
@@ -134,24 +134,10 @@ impl RowEnds {
     /// token to the length of each row it flagged, for the next step if it finds every shard
     /// untouched (`untouched` is not read).
     fn flag_settled<const AFTER_STEP: bool>(&mut self, untouched: u32, bs: BlockSize) -> Appends {
-        let rows = RowArrays {
-            lens: &mut self.len,
-            settled: &mut self.settled,
-            pages: &self.pages,
-            below: &self.below,
-            shard: &self.shard,
-        };
-        flag_settled::<AFTER_STEP>(rows, untouched, bs)
+        let (lens, settled) = (&mut self.len, &mut self.settled);
+        let ends = (&self.pages[..], &self.below[..], &self.shard[..]);
+        flag_settled::<AFTER_STEP>(lens, settled, ends, untouched, bs)
     }
-}
-
-/// The arrays [`RowEnds::flag_settled`] reads and writes.
-struct RowArrays<'a> {
-    lens: &'a mut [u32],
-    settled: &'a mut [bool],
-    pages: &'a [u32],
-    below: &'a [u32],
-    shard: &'a [u32],
 }
 
 /// [`RowEnds::flag_settled`] on the arrays: branch-free, in `i32` (lengths and pages are at most
@@ -159,15 +145,17 @@ struct RowArrays<'a> {
 /// vectorizes it with the x86-64 baseline's SSE2.
 #[inline(never)]
 fn flag_settled<const AFTER_STEP: bool>(
-    rows: RowArrays<'_>,
+    lens: &mut [u32],
+    settled: &mut [bool],
+    (pages, below, shard): (&[u32], &[u32], &[u32]),
     untouched: u32,
     bs: BlockSize,
 ) -> Appends {
     let (size, mask) = (bs.get() as i32, bs.get() as i32 - 1);
     let pow2 = size.count_ones() == 1;
     let (mut new_blocks, mut widest) = (0i32, 0i32);
-    let lens = rows.lens.iter_mut().zip(rows.settled);
-    let ends = (rows.pages.iter().zip(rows.below)).zip(rows.shard);
+    let lens = lens.iter_mut().zip(settled);
+    let ends = (pages.iter().zip(below)).zip(shard);
     for ((len, settled), ((&pages, &below), &shard)) in lens.zip(ends) {
         let now = *len as i32 + i32::from(*settled & AFTER_STEP);
         *len = now as u32;
@@ -281,10 +269,11 @@ impl Batch {
         self.row_of.insert(seq, self.ids.len());
         self.ids.push(seq);
         self.rows.push(Row::default());
-        self.ends.push(seq);
+        let shard = shard_bit(seq);
+        self.ends.push(shard);
         self.table.resize(self.table.len() + self.width, PAD);
         if let Some(shards) = &mut self.shards {
-            *shards |= shard_bit(seq);
+            *shards |= shard;
         }
         self.inputs.clear();
         self.ahead = None;
@@ -392,7 +381,7 @@ impl Batch {
     pub(crate) fn shards(&mut self) -> u32 {
         *self
             .shards
-            .get_or_insert_with(|| self.ids.iter().fold(0, |mask, &id| mask | shard_bit(id)))
+            .get_or_insert_with(|| self.ends.shard.iter().fold(0, |mask, &bit| mask | bit))
     }
 
     /// Where row `row`'s sequence was last found (by this step, once it visited the row).
