@@ -18,7 +18,7 @@ use std::time::Instant;
 use criterion::{criterion_group, Criterion};
 use decoding::{Decoding, Stepping};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
-use timing::{mean_ns, record, short_runs, show_us};
+use timing::{record, short_runs, show_fractions, show_us};
 use tokens::Tokens;
 
 #[path = "support/decoding.rs"]
@@ -198,15 +198,11 @@ fn main() {
         "batch_admitting",
         "step_batch, batch 256, while another thread admits 8K-token prompts",
     );
-    for (name, limit, what) in [
-        ("hit", "limit_hit", "lookup hit"),
-        ("miss", "limit_miss", "lookup first-block miss"),
-    ] {
-        if let (Some(t), Some(l)) = (mean_ns(name), mean_ns(limit)) {
-            println!(
-                "{what} as a fraction of its memory-bound limit: {:.3}",
-                l / t
-            );
-        }
-    }
+    show_fractions(
+        "limit",
+        &[
+            ("hit", "limit_hit", "lookup hit"),
+            ("miss", "limit_miss", "lookup first-block miss"),
+        ],
+    );
 }

@@ -27,7 +27,7 @@ use criterion::{criterion_group, Criterion};
 use decoding::{Decoding, Stepping};
 use floor::{Floor, Registry};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
-use timing::{mean_ns, record, short_runs, show_us};
+use timing::{mean_ns, record, short_runs, show_fractions, show_us};
 use tokens::Tokens;
 
 const BLOCK_SIZE: u32 = 16;
@@ -265,18 +265,14 @@ fn main() {
             t / before
         );
     }
-    for (name, floor, what) in [
-        ("step", "floor_caching", "step + plan"),
-        ("step_batch", "floor_caching", "step_batch"),
-        ("step_batch_off", "floor", "step_batch, caching off"),
-    ] {
-        if let (Some(t), Some(floor)) = (mean_ns(name), mean_ns(floor)) {
-            println!(
-                "{what} as a fraction of its memory-bound floor: {:.3}",
-                floor / t
-            );
-        }
-    }
+    show_fractions(
+        "floor",
+        &[
+            ("step", "floor_caching", "step + plan"),
+            ("step_batch", "floor_caching", "step_batch"),
+            ("step_batch_off", "floor", "step_batch, caching off"),
+        ],
+    );
     show_us("plan", "plan alone, batch 256");
     show_us(
         "hit",

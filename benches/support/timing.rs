@@ -35,6 +35,20 @@ pub fn show_us(name: &str, what: &str) {
     }
 }
 
+/// Prints `<what> as a fraction of its memory-bound <bound>: <fraction>` for each `(name,
+/// limit, what)`, the limit's time over the figure's, when criterion ran both.
+#[allow(dead_code)] // each bench includes this file; the pool bench prints ratios only
+pub fn show_fractions(bound: &str, figures: &[(&str, &str, &str)]) {
+    for &(name, limit, what) in figures {
+        if let (Some(t), Some(limit)) = (mean_ns(name), mean_ns(limit)) {
+            println!(
+                "{what} as a fraction of its memory-bound {bound}: {:.3}",
+                limit / t
+            );
+        }
+    }
+}
+
 /// Criterion's settings for these benches: 1 s of warm-up, then `measurement_secs` of runs.
 pub fn short_runs(measurement_secs: u64) -> Criterion {
     Criterion::default()
