@@ -32,8 +32,7 @@ pub struct Floor {
 /// first step commits the prefill. Keys are drawn at random (no hashing), blocks are evicted in
 /// a fixed random order, and nothing is locked or linked.
 pub struct Registry {
-    lines: Vec<Line>,
-    tokens: Vec<[Token; BLOCK_SIZE as usize]>,
+    registrations: Vec<Registration>,
     /// The map: two slots per block, each a block id and the key's low half.
     slots: Vec<u64>,
     evictions: Vec<u32>,
@@ -41,10 +40,14 @@ pub struct Registry {
     keys: SplitMix64,
 }
 
-/// A block's registration: key, parent key and chaining value, in one cache line.
+/// A block's registration: key, parent key and chaining value in one cache line, its tokens in
+/// the next (one 128-byte unit, as the manager lays them out).
 #[derive(Clone, Copy)]
-#[repr(align(64))]
-struct Line([u64; 8]);
+#[repr(C, align(128))]
+struct Registration {
+    line: [u64; 8],
+    tokens: [Token; BLOCK_SIZE as usize],
+}
 
 impl Registry {
     /// A registry of `num_blocks` blocks, every one cached (registered under a random key).
@@ -56,8 +59,13 @@ impl Registry {
             evictions.swap(i, keys.next() as usize % (i + 1));
         }
         let mut registry = Registry {
-            lines: vec![Line([0; 8]); n],
-            tokens: vec![[0; BLOCK_SIZE as usize]; n],
+            registrations: vec![
+                Registration {
+                    line: [0; 8],
+                    tokens: [0; BLOCK_SIZE as usize],
+                };
+                n
+            ],
             slots: vec![u64::MAX; (2 * n).next_power_of_two()],
             evictions,
             next_eviction: 0,
@@ -77,7 +85,7 @@ impl Registry {
     fn evict(&mut self) -> u32 {
         let block = self.evictions[self.next_eviction];
         self.next_eviction = (self.next_eviction + 1) % self.evictions.len();
-        let slot = self.slot(self.lines[block as usize].0[0]);
+        let slot = self.slot(self.registrations[block as usize].line[0]);
         self.slots[slot] = u64::MAX;
         block
     }
@@ -85,9 +93,9 @@ impl Registry {
     /// Registers `block`: its line (the key stands for all of it), its tokens, its map slot.
     fn register(&mut self, block: u32, tokens: &[Token]) {
         let key = self.keys.next();
-        let b = block as usize;
-        self.lines[b] = Line([key; 8]);
-        self.tokens[b].copy_from_slice(tokens);
+        let registration = &mut self.registrations[block as usize];
+        registration.line = [key; 8];
+        registration.tokens.copy_from_slice(tokens);
         let slot = self.slot(key);
         self.slots[slot] = key << 32 | u64::from(block);
     }

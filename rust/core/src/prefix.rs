@@ -24,7 +24,7 @@ use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::pool::BlockPool;
 use crate::prefix_map::{PrefixMap, Region};
 use crate::sequence::room_for;
-use crate::sync::{prefetch_write, AtomicU32, AtomicU64, Ordering};
+use crate::sync::{prefetch_write, AtomicU64, Ordering};
 use crate::{BlockId, Token};
 
 /// A 128-bit block hash: the first half of the block's BLAKE3 chaining value.
@@ -48,14 +48,17 @@ const SECRET: usize = 192;
 /// Tokens a map key hashes from a stack buffer; longer blocks stream.
 const INLINE_TOKENS: usize = 64;
 
-/// A block's registration in one cache line: what a lookup verifies (`[key_lo, key_hi,
-/// parent_key_lo, parent_key_hi]`), then the BLAKE3 chaining value a hit reads next, so a
-/// registration writes, and a hit reads, one line for both.
-#[repr(C, align(64))]
-struct Registration {
-    verified: [AtomicU64; 4],
-    chain: [AtomicU64; 4],
-}
+/// Words of a block's registration: what a lookup verifies (`[key_lo, key_hi, parent_key_lo,
+/// parent_key_hi]`), then the BLAKE3 chaining value a hit reads next (one cache line), then the
+/// block's tokens, two to a word (the first in the low half), in whole lines.
+const KEY: usize = 0;
+const PARENT: usize = 2;
+const CHAIN: usize = 4;
+const TOKENS: usize = 8;
+
+/// Words in a cache line, and in the two-line unit a core's adjacent-line prefetcher fetches.
+const LINE_WORDS: usize = 8;
+const PAIR_WORDS: usize = 16;
 
 /// Hashes, map and registered contents of one GPU pool.
 pub(crate) struct PrefixCache {
@@ -67,10 +70,12 @@ pub(crate) struct PrefixCache {
     block_size: usize,
     /// Map key -> registered block.
     map: PrefixMap,
-    /// Per block: its registration.
-    meta: Box<[Registration]>,
-    /// Per block: its `block_size` tokens at registration.
-    tokens: Box<[AtomicU32]>,
+    /// Per block, `stride` words from `first + block * stride`: its registration. Block 0
+    /// starts a 128-byte unit, so a 16-token block's registration (key, chain and tokens) is
+    /// one unit, whose two lines a registration writes and a hit reads together.
+    words: Box<[AtomicU64]>,
+    stride: usize,
+    first: usize,
 }
 
 fn split(h: u128) -> [u64; 2] {
@@ -79,6 +84,12 @@ fn split(h: u128) -> [u64; 2] {
 
 fn join(lo: u64, hi: u64) -> u128 {
     u128::from(lo) | (u128::from(hi) << 64)
+}
+
+/// Two tokens as a registration stores them in one word, the first in the low half (an odd
+/// block's last token has a word of its own).
+fn token_pair(pair: &[Token]) -> u64 {
+    u64::from(pair[0]) | u64::from(pair[1]) << 32
 }
 
 /// The map key before block 0: the second half of the BLAKE3 root, so it binds the key and the
@@ -162,6 +173,12 @@ impl PrefixCache {
         block_size: u32,
     ) -> Result<PrefixCache, TooLarge> {
         let n = num_blocks as usize;
+        let token_words = (block_size as usize).div_ceil(2);
+        let stride = TOKENS + token_words.next_multiple_of(LINE_WORDS);
+        let words = try_boxed(n * stride + PAIR_WORDS - 1, |_| AtomicU64::new(0))?;
+        let word = std::mem::size_of::<AtomicU64>();
+        let unit = PAIR_WORDS * word;
+        let first = (unit - words.as_ptr() as usize % unit) % unit / word;
         let mut secret = [0u8; SECRET];
         blake3::Hasher::new_keyed(&key)
             .update(b"pagedkv/map-secret")
@@ -173,11 +190,9 @@ impl PrefixCache {
             unsalted_root: root_of(&key, None),
             block_size: block_size as usize,
             map: PrefixMap::new(num_blocks)?,
-            meta: try_boxed(n, |_| Registration {
-                verified: std::array::from_fn(|_| AtomicU64::new(0)),
-                chain: std::array::from_fn(|_| AtomicU64::new(0)),
-            })?,
-            tokens: try_boxed(n * block_size as usize, |_| AtomicU32::new(0))?,
+            words,
+            stride,
+            first,
         })
     }
 
@@ -318,8 +333,11 @@ impl PrefixCache {
             .or_else(|| verify(self.get(key)?))
     }
 
-    fn meta(&self, block: BlockId) -> &[AtomicU64; 4] {
-        &self.meta[block as usize].verified
+    /// `block`'s registration: its key, parent key and chain (the first line), and its tokens.
+    fn registration(&self, block: BlockId) -> (&[AtomicU64; TOKENS], &[AtomicU64]) {
+        let start = self.first + block as usize * self.stride;
+        let (head, tokens) = self.words[start..start + self.stride].split_at(TOKENS);
+        (head.try_into().expect("a line"), tokens)
     }
 
     /// Whether `block`'s registered contents are exactly `(key, parent, tokens)`.
@@ -330,37 +348,44 @@ impl PrefixCache {
         parent: MapKey,
         tokens: &[Token],
     ) -> bool {
-        let m = self.meta(block);
-        let load = |i: usize| m[i].load(Ordering::Relaxed);
-        if join(load(0), load(1)) != key || join(load(2), load(3)) != parent {
+        let (head, stored) = self.registration(block);
+        let load = |i: usize| head[i].load(Ordering::Relaxed);
+        if join(load(KEY), load(KEY + 1)) != key || join(load(PARENT), load(PARENT + 1)) != parent {
             return false;
         }
-        let b = block as usize;
-        let stored = &self.tokens[b * self.block_size..(b + 1) * self.block_size];
-        stored
-            .iter()
-            .zip(tokens)
-            .all(|(s, &t)| s.load(Ordering::Relaxed) == t)
+        let pairs = tokens.chunks_exact(2);
+        let mut differ = 0;
+        for (s, pair) in stored.iter().zip(pairs.clone()) {
+            differ |= s.load(Ordering::Relaxed) ^ token_pair(pair);
+        }
+        if let [last] = pairs.remainder() {
+            differ |= stored[tokens.len() / 2].load(Ordering::Relaxed) ^ u64::from(*last);
+        }
+        differ == 0
     }
 
     /// The map key `block` was registered under.
     pub(crate) fn key_of(&self, block: BlockId) -> MapKey {
-        let m = self.meta(block);
-        join(m[0].load(Ordering::Relaxed), m[1].load(Ordering::Relaxed))
+        let (head, _) = self.registration(block);
+        join(
+            head[KEY].load(Ordering::Relaxed),
+            head[KEY + 1].load(Ordering::Relaxed),
+        )
     }
 
     /// Starts fetching the lines a registration of `block` under `key` writes.
     pub(crate) fn prefetch_registration(&self, block: BlockId, key: MapKey) {
-        let b = block as usize;
         self.map.prefetch(key);
-        prefetch_write(&self.meta[b]);
-        prefetch_write(&self.tokens[b * self.block_size]);
-        prefetch_write(&self.tokens[(b + 1) * self.block_size - 1]);
+        let (head, tokens) = self.registration(block);
+        prefetch_write(head);
+        for line in tokens.chunks(LINE_WORDS) {
+            prefetch_write(&line[0]);
+        }
     }
 
     /// Starts fetching the registration an eviction of `block` reads.
     pub(crate) fn prefetch_key(&self, block: BlockId) {
-        prefetch_write(&self.meta[block as usize]);
+        prefetch_write(self.registration(block).0);
     }
 
     /// Starts fetching the map slot an eviction of `block` probes first (reads its key).
@@ -371,10 +396,8 @@ impl PrefixCache {
     /// The BLAKE3 chaining value `block` was registered with.
     pub(crate) fn chain_of(&self, block: BlockId) -> Chain {
         let mut chain = [0u8; 32];
-        for (dst, word) in chain
-            .chunks_exact_mut(8)
-            .zip(&self.meta[block as usize].chain)
-        {
+        let (head, _) = self.registration(block);
+        for (dst, word) in chain.chunks_exact_mut(8).zip(&head[CHAIN..]) {
             dst.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
         }
         chain
@@ -402,28 +425,24 @@ impl PrefixCache {
         let Some(vacancy) = region.vacancy(key, |block| self.key_of(block)) else {
             return;
         };
+        let (head, stored) = self.registration(block);
         let [key_lo, key_hi] = split(key);
         let [parent_lo, parent_hi] = split(parent);
-        for (slot, value) in self
-            .meta(block)
-            .iter()
-            .zip([key_lo, key_hi, parent_lo, parent_hi])
-        {
+        let chain = chain
+            .chunks_exact(8)
+            .map(|word| u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        let values = [key_lo, key_hi, parent_lo, parent_hi]
+            .into_iter()
+            .chain(chain);
+        for (slot, value) in head.iter().zip(values) {
             slot.store(value, Ordering::Relaxed);
         }
-        for (slot, word) in self.meta[block as usize]
-            .chain
-            .iter()
-            .zip(chain.chunks_exact(8))
-        {
-            slot.store(
-                u64::from_le_bytes(word.try_into().expect("8 bytes")),
-                Ordering::Relaxed,
-            );
+        let pairs = tokens.chunks_exact(2);
+        for (slot, pair) in stored.iter().zip(pairs.clone()) {
+            slot.store(token_pair(pair), Ordering::Relaxed);
         }
-        let b = block as usize;
-        for (slot, &t) in self.tokens[b * self.block_size..].iter().zip(tokens) {
-            slot.store(t, Ordering::Relaxed);
+        if let [last] = pairs.remainder() {
+            stored[tokens.len() / 2].store(u64::from(*last), Ordering::Relaxed);
         }
         publish();
         region.fill(vacancy, block);
@@ -543,6 +562,25 @@ mod tests {
         c.unregister(1, || removed = true);
         assert!(removed);
         assert_eq!(c.get(k), None);
+    }
+
+    /// Tokens are stored two to a word: an odd block's last token has a word of its own, and
+    /// every token is verified, in blocks spanning several lines.
+    #[test]
+    fn every_token_of_odd_and_long_blocks_is_verified() {
+        for bs in [1, 3, 17, 33] {
+            let c = PrefixCache::new([0; 32], 3, bs).unwrap();
+            let tokens: Vec<Token> = (0..bs).map(|t| t * 7 + 1).collect();
+            let k = c.key_block(0, &tokens);
+            c.register(2, k, 0, &[0; 32], &tokens, || {});
+            assert!(c.matches(2, k, 0, &tokens));
+            for i in 0..tokens.len() {
+                let mut other = tokens.clone();
+                other[i] += 1;
+                assert!(!c.matches(2, k, 0, &other), "block size {bs}, token {i}");
+            }
+            assert_eq!(c.key_of(1), 0, "a neighbour's registration is untouched");
+        }
     }
 
     /// A prompt whose first block is registered: the walk reads the hit's chain, computes the
