@@ -45,8 +45,10 @@ pub(crate) fn block_hash_of(chain: &Chain) -> BlockHash {
 /// XXH3's default secret size (at least 136 bytes).
 const SECRET: usize = 192;
 
-/// Tokens a map key hashes from a stack buffer; longer blocks stream.
+/// Tokens a map key hashes from a stack buffer; longer blocks stream. Blocks of up to
+/// `SHORT_TOKENS` (the usual sizes) use a smaller buffer.
 const INLINE_TOKENS: usize = 64;
+const SHORT_TOKENS: usize = 16;
 
 /// Words of a block's registration: what a lookup verifies (`[key_lo, key_hi, parent_key_lo,
 /// parent_key_hi]`), then the BLAKE3 chaining value a hit reads next (one cache line), then the
@@ -234,17 +236,23 @@ impl PrefixCache {
 
     /// The map key of one full block after the block keyed `parent`.
     pub(crate) fn key_block(&self, parent: MapKey, tokens: &[Token]) -> MapKey {
-        let mut buf = [0u8; 16 + 4 * INLINE_TOKENS];
-        buf[..16].copy_from_slice(&parent.to_le_bytes());
-        if tokens.len() <= INLINE_TOKENS {
-            let len = 16 + 4 * tokens.len();
-            for (dst, t) in buf[16..len].chunks_exact_mut(4).zip(tokens) {
-                dst.copy_from_slice(&t.to_le_bytes());
-            }
-            return xxh3_128_with_secret(&buf[..len], &self.secret);
+        const SHORT: usize = 16 + 4 * SHORT_TOKENS;
+        const INLINE: usize = 16 + 4 * INLINE_TOKENS;
+        match tokens.len() {
+            // The usual size, its length known to the copy and the hash: no loop, no dispatch.
+            SHORT_TOKENS => self.key_inline::<SHORT>(parent, tokens),
+            len if len < SHORT_TOKENS => self.key_inline::<SHORT>(parent, tokens),
+            len if len <= INLINE_TOKENS => self.key_inline::<INLINE>(parent, tokens),
+            _ => self.key_streamed(parent, tokens),
         }
+    }
+
+    /// [`PrefixCache::key_block`] of a long block, streamed.
+    #[inline(never)]
+    fn key_streamed(&self, parent: MapKey, tokens: &[Token]) -> MapKey {
+        let mut buf = [0u8; 4 * INLINE_TOKENS];
         let mut hasher = Xxh3::with_secret(self.secret);
-        hasher.update(&buf[..16]);
+        hasher.update(&parent.to_le_bytes());
         for chunk in tokens.chunks(INLINE_TOKENS) {
             for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
                 dst.copy_from_slice(&t.to_le_bytes());
@@ -252,6 +260,20 @@ impl PrefixCache {
             hasher.update(&buf[..4 * chunk.len()]);
         }
         hasher.digest128()
+    }
+
+    /// [`PrefixCache::key_block`] hashed from a stack buffer of `N` bytes (which holds the
+    /// parent key and the tokens): sized for the block, so it costs no more to clear than it
+    /// holds.
+    #[inline(always)]
+    fn key_inline<const N: usize>(&self, parent: MapKey, tokens: &[Token]) -> MapKey {
+        let mut buf = [0u8; N];
+        buf[..16].copy_from_slice(&parent.to_le_bytes());
+        let len = 16 + 4 * tokens.len();
+        for (dst, t) in buf[16..len].chunks_exact_mut(4).zip(tokens) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        xxh3_128_with_secret(&buf[..len], &self.secret)
     }
 
     /// Hashes a prompt for admission: the root and every full block's map key, no lookup yet
@@ -313,6 +335,7 @@ impl PrefixCache {
     /// still that incarnation. (The state's acquire load makes that incarnation's registration
     /// visible; contents read from a later one imply a generation `acquire_hits` rejects.
     /// Model-checked below.)
+    #[inline]
     pub(crate) fn find(
         &self,
         pool: &BlockPool,
@@ -320,17 +343,41 @@ impl PrefixCache {
         parent: MapKey,
         tokens: &[Token],
     ) -> Option<(BlockId, BlockState)> {
-        let verify = |block| {
-            let state = pool.state(block);
-            (state.hashed() && self.matches(block, key, parent, tokens)).then_some((block, state))
-        };
         // A hashed block registered under `key` is the one the map holds for it (a block is
         // hashed exactly while mapped), so a verified lock-free probe is the map's answer; a
         // lock-free miss is confirmed under the lock.
-        self.map
-            .probe(key)
-            .and_then(verify)
-            .or_else(|| verify(self.get(key)?))
+        let probed = self.map.probe(key);
+        if let Some(hit) = probed.and_then(|block| self.verify(pool, block, key, parent, tokens)) {
+            return Some(hit);
+        }
+        self.find_locked(pool, key, parent, tokens)
+    }
+
+    /// [`PrefixCache::find`] under the lock of `key`'s region, after a lock-free miss.
+    #[cold]
+    #[inline(never)]
+    fn find_locked(
+        &self,
+        pool: &BlockPool,
+        key: MapKey,
+        parent: MapKey,
+        tokens: &[Token],
+    ) -> Option<(BlockId, BlockState)> {
+        self.verify(pool, self.get(key)?, key, parent, tokens)
+    }
+
+    /// `block` with the state it was verified in, if it is hashed with exactly this content.
+    #[inline(always)]
+    fn verify(
+        &self,
+        pool: &BlockPool,
+        block: BlockId,
+        key: MapKey,
+        parent: MapKey,
+        tokens: &[Token],
+    ) -> Option<(BlockId, BlockState)> {
+        let state = pool.state(block);
+        (state.hashed() && self.matches(block, key, parent, tokens)).then_some((block, state))
     }
 
     /// `block`'s registration: its key, parent key and chain (the first line), and its tokens.
@@ -533,13 +580,21 @@ mod tests {
         let root = c.root(None);
         assert_ne!(c.hash_block(&root, &tokens), c.hash_block(&root, &other));
         assert_ne!(c.key_block(0, &tokens), c.key_block(0, &other));
-        // Streamed and one-shot XXH3 agree, so the key is one function of parent and tokens.
-        let mut bytes = 0u128.to_le_bytes().to_vec();
-        bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
-        assert_eq!(
-            c.key_block(0, &tokens),
-            xxh3_128_with_secret(&bytes, &c.secret)
-        );
+    }
+
+    /// Every path of `key_block` (short, the usual 16 tokens, a buffer, streamed) is XXH3 of
+    /// the parent key and the tokens, so the key is one function of them.
+    #[test]
+    fn map_keys_are_one_function_of_parent_and_tokens() {
+        let c = PrefixCache::new([0; 32], 1, 200).unwrap();
+        let parent: MapKey = 0x0123_4567_89ab_cdef << 60 | 42;
+        for len in [1, 15, 16, 17, 64, 65, 200] {
+            let tokens: Vec<Token> = (0..len).map(|t| t * 31 + 5).collect();
+            let mut bytes = parent.to_le_bytes().to_vec();
+            bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+            let expected = xxh3_128_with_secret(&bytes, &c.secret);
+            assert_eq!(c.key_block(parent, &tokens), expected, "{len} tokens");
+        }
     }
 
     #[test]
