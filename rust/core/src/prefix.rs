@@ -421,6 +421,7 @@ impl PrefixCache {
     }
 
     /// Starts fetching the lines a registration of `block` under `key` writes.
+    #[inline]
     pub(crate) fn prefetch_registration(&self, block: BlockId, key: MapKey) {
         self.map.prefetch(key);
         let (head, tokens) = self.registration(block);
@@ -459,6 +460,7 @@ impl PrefixCache {
     /// mapped (or, against all odds for keyed hashes, its region of the map is full); then
     /// `publish` (flag the block, record the event) runs under the region's lock once the
     /// contents are written, so a reset or an eviction of the same key is ordered with it.
+    #[inline]
     pub(crate) fn register(
         &self,
         block: BlockId,

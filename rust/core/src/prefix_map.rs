@@ -142,6 +142,7 @@ pub(crate) struct Region<'a> {
 impl Region<'_> {
     /// The slot of `key` (`Ok`), or the empty slot where it would go (`Err`; `None` if the
     /// region is full, or `key` is not of this region).
+    #[inline]
     fn find(
         &self,
         key: MapKey,
