@@ -79,6 +79,11 @@ pub(crate) struct PendingCopy {
 }
 
 impl Sequence {
+    /// The chaining value of the last hashed block (the root before any).
+    pub(crate) fn tail_chain(&self) -> Chain {
+        self.hashes.last().copied().unwrap_or(self.root)
+    }
+
     /// A new sequence whose first `computed` tokens (whole blocks) already have KV.
     pub(crate) fn new(
         tokens: Vec<Token>,

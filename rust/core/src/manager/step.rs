@@ -14,6 +14,7 @@ use crate::plan::Plan;
 use crate::prefix::{Chain, PrefixCache};
 use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap};
 use crate::stats::Counters;
+use crate::sync::prefetch_write;
 use crate::{BlockId, Error, SeqId, Token};
 
 impl BlockManager {
@@ -252,6 +253,14 @@ impl BlockManager {
         let Some(prefix) = &self.prefix else {
             return;
         };
+        for (parent, &member) in pending
+            .parents
+            .iter_mut()
+            .zip(&pending.members)
+            .take(pending.n)
+        {
+            *parent = batch.at(member).tail_chain();
+        }
         let chains = hash_lanes::chains(&pending.parents, &pending.blocks, pending.n);
         let queued = pending.members.iter().zip(&pending.blocks).zip(chains);
         for ((&member, block), chain) in queued.take(pending.n) {
@@ -410,7 +419,10 @@ impl ToHash {
     fn push(&mut self, member: Member, s: &Sequence) {
         let i = s.hashes.len();
         self.members[self.n] = member;
-        self.parents[self.n] = i.checked_sub(1).map_or(s.root, |parent| s.hashes[parent]);
+        if let (Some(chain), Some(key)) = (s.hashes.last(), s.keys.last()) {
+            prefetch_write(chain);
+            prefetch_write(key);
+        }
         self.blocks[self.n].copy_from_slice(&s.tokens[i * LANE_TOKENS..(i + 1) * LANE_TOKENS]);
         self.n += 1;
     }
