@@ -13,14 +13,17 @@ counts, step counts and plan shapes, and equal physical blocks for the two `step
     python benches/bench_step.py --quick         # CI smoke run
     python benches/bench_step.py --requests 4000 --seed 7 --enforce
     python benches/bench_step.py --against /tmp/base/python   # this build against another one
+    python benches/bench_step.py --against /tmp/base/python --in-process --rounds 20
     python benches/bench_step.py --breakdown     # ... and where step_batch's time goes
 
 With `--against DIR` it times pagedkv alone (`step`, or `step_batch` with `--batch`), this
 build and the build whose `pagedkv` package is in DIR (e.g. another revision's `python/` with
 its compiled `_core`), each in a fresh interpreter, alternating for `--rounds` rounds, and
-prints the medians and their ratio. With `--breakdown` it also replays the `step_batch` loop's
-calls (replay.py) to split its time: the loop's own work between steps, the steps that commit a
-prefill, check rows after a free or run out of blocks, prefix caching, and the call itself.
+prints the medians and their ratio; with `--in-process` it records this build's `step_batch`
+loop once and replays it on both builds in one process instead, alternating. With
+`--breakdown` it also replays the `step_batch` loop's calls (replay.py) to split its time: the
+loop's own work between steps, the steps that commit a prefill, check rows after a free or run
+out of blocks, prefix caching, and the call itself.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import numpy.typing as npt
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from python_baseline import PythonBlockManager
-from replay import KINDS, Recorder, call_ns, replay
+from replay import KINDS, Recorder, call_ns, load_core, replay
 
 from pagedkv import Batch, BlockManager, OutOfBlocks
 
@@ -304,6 +307,51 @@ def against(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def against_in_process(args: argparse.Namespace) -> int:
+    """Replays one recording of this build's `step_batch` loop on this build and on the build in
+    `args.against`, in one process, alternating (the order too), with prefix caching on and off:
+    separate interpreters put their memory elsewhere each run, which moves a step's time more
+    than most changes do."""
+    base = load_core(args.against)
+    trace = make_trace(100 if args.quick else args.requests, args.seed)
+    for caching in (True, False):
+
+        def manager(cls: Any, caching: bool = caching) -> Callable[[], Any]:
+            return lambda: cls(
+                args.num_blocks,
+                args.block_size,
+                hash_key=bytes(32),
+                enable_prefix_caching=caching,
+            )
+
+        recorder = Recorder(manager(BlockManager)())
+        serve(recorder, trace, args.max_running, True, recorder.new_batch)
+        builds = {
+            "this build": (manager(BlockManager), None),
+            args.against: (manager(base.BlockManager), base),
+        }
+        times: dict[str, list[float]] = {name: [] for name in builds}
+        for round_ in range(args.rounds):
+            order = list(builds) if round_ % 2 == 0 else list(reversed(builds))
+            tokens = set()
+            for name in order:
+                new_manager, core = builds[name]
+                gc.collect()
+                run = replay(recorder.calls, new_manager, core)
+                tokens.add(run.tokens)
+                times[name].append(run.ns_per_token())
+            assert len(tokens) == 1, "the builds decided differently"
+        now, then = times["this build"], times[args.against]
+        ratio = statistics.median(a / b for a, b in zip(now, then, strict=True))
+        print(
+            f"prefix caching {'on' if caching else 'off'}: {statistics.median(then):.1f} -> "
+            f"{statistics.median(now):.1f} ns/decode token replayed, ratio {ratio:.3f} (median "
+            f"of {args.rounds} rounds' ratios, in one process)",
+            flush=True,
+        )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000, help="requests in the trace")
@@ -323,6 +371,11 @@ def main() -> int:
         "--batch", action="store_true", help="--against times step_batch instead of step"
     )
     parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="--against replays one recorded step_batch loop on both builds in one process",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="also replay the step_batch loop's calls to show where its time goes",
@@ -333,7 +386,7 @@ def main() -> int:
     parser.add_argument("--pagedkv-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.against:
-        return against(args, sys.argv[1:])
+        return against_in_process(args) if args.in_process else against(args, sys.argv[1:])
     requests = 100 if args.quick else args.requests
     trace = make_trace(requests, args.seed)
     print(

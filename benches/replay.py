@@ -11,9 +11,13 @@ work costs the step.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -77,9 +81,18 @@ class Replay:
         return sum(self.ns.values()) / self.tokens
 
 
-def replay(calls: list[tuple[str, tuple[Any, ...]]], new_manager: Callable[[], Any]) -> Replay:
-    """Makes `calls` again on `new_manager()` and a fresh batch, timing each `step_batch`."""
-    mgr, batch, out = new_manager(), Batch(), Replay()
+def replay(
+    calls: list[tuple[str, tuple[Any, ...]]],
+    new_manager: Callable[[], Any],
+    core: Any = None,
+) -> Replay:
+    """Makes `calls` again on `new_manager()` and a fresh batch, timing each `step_batch`;
+    `core` is the compiled module of another build (see `load_core`) whose `Batch` and
+    `OutOfBlocks` go with its manager."""
+    new_batch, out_of_blocks = (
+        (Batch, OutOfBlocks) if core is None else (core.Batch, core.OutOfBlocks)
+    )
+    mgr, batch, out = new_manager(), new_batch(), Replay()
     admitted = freed = False
     for name, args in calls:
         if name in ("add", "remove"):
@@ -95,7 +108,7 @@ def replay(calls: list[tuple[str, tuple[Any, ...]]], new_manager: Callable[[], A
         start = time.perf_counter_ns()
         try:
             mgr.step_batch(batch, tokens)
-        except OutOfBlocks:
+        except out_of_blocks:
             failed = True
         ns = time.perf_counter_ns() - start
         if failed:
@@ -107,6 +120,18 @@ def replay(calls: list[tuple[str, tuple[Any, ...]]], new_manager: Callable[[], A
         out.steps[kind] += 1
         admitted = freed = False
     return out
+
+
+def load_core(directory: str) -> ModuleType:
+    """The compiled module (`pagedkv._core`) of the pagedkv package in `directory`, loaded
+    beside this build's under the name `_core`, so both builds run in one process."""
+    path = next((Path(directory) / "pagedkv").glob("_core*.so"))
+    loader = importlib.machinery.ExtensionFileLoader("_core", str(path))
+    spec = importlib.util.spec_from_file_location("_core", path, loader=loader)
+    assert spec is not None, f"no module in {path}"
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def call_ns(rounds: int = 5, calls: int = 20_000) -> float:

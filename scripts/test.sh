@@ -51,6 +51,12 @@ export PAGEDKV_FLASHINFER_SITE="$KIT_TARGET"
 
 step "benchmark smoke run (figures only; targets are reported, not enforced)"
 python3 benches/bench_step.py --quick --breakdown
+# Its decode loop replayed beside a copy of its own compiled module, in one process.
+SELF_BUILD="$(mktemp -d)"
+mkdir "$SELF_BUILD/pagedkv"
+cp "$(python3 -c 'import pagedkv, pathlib; print(next(pathlib.Path(pagedkv.__file__).parent.glob("_core*.so")))')" "$SELF_BUILD/pagedkv/"
+python3 benches/bench_step.py --quick --against "$SELF_BUILD" --in-process --rounds 2
+rm -rf "$SELF_BUILD"
 python3 benches/bench_tier.py --quick
 # Builds this tree's decode loop and HEAD's into one binary (the two are the same code here).
 python3 benches/compare.py --rev HEAD --in-process --rounds 8
