@@ -481,7 +481,8 @@ impl Model {
 
     fn append_needed(&self, s: &ModelSeq, m: usize) -> usize {
         let len = s.tokens.len();
-        let cow = len % self.bs != 0 && self.refcount[*s.table.last().unwrap() as usize] > 1;
+        let cow =
+            !len.is_multiple_of(self.bs) && self.refcount[*s.table.last().unwrap() as usize] > 1;
         usize::from(cow) + (len + m).div_ceil(self.bs) - len.div_ceil(self.bs)
     }
 
@@ -490,7 +491,7 @@ impl Model {
         let mut s = self.seqs.remove(&seq).expect("model: validated");
         let len = s.tokens.len();
         let last = *s.table.last().unwrap();
-        if len % self.bs != 0 && self.refcount[last as usize] > 1 {
+        if !len.is_multiple_of(self.bs) && self.refcount[last as usize] > 1 {
             let dst = self.take();
             s.copies.push(Copy {
                 src: last,
