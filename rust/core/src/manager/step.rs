@@ -416,6 +416,8 @@ struct ToHash {
 
 impl ToHash {
     /// Queues the next block to hash of `s`, the batch's `member` (at most [`LANES`] queued).
+    /// Its parent's chaining value and key are only prefetched here: they are read when the
+    /// queue is hashed ([`BlockManager::hash_together`]).
     fn push(&mut self, member: Member, s: &Sequence) {
         let i = s.hashes.len();
         self.members[self.n] = member;
