@@ -272,7 +272,9 @@ def breakdown(args: argparse.Namespace, trace: Trace) -> None:
             if run.steps[kind]:
                 print(
                     f"    {kind:>18}: {run.steps[kind]:5} steps, {run.ns[kind] / total:6.1%} of "
-                    f"the time, {run.ns[kind] / run.steps[kind] / 1e3:6.2f} us a step"
+                    f"the time, mean batch {run.rows[kind] / run.steps[kind]:5.1f}, "
+                    f"{run.ns[kind] / run.steps[kind] / 1e3:6.2f} us a step, "
+                    f"{run.ns[kind] / run.rows[kind]:5.1f} ns a row"
                 )
     call = call_ns()
     print(

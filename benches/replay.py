@@ -75,6 +75,8 @@ class Replay:
 
     ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    """Rows the steps of each kind had: their batch sizes differ, so compare them a row."""
     tokens: int = 0
 
     def ns_per_token(self) -> float:
@@ -118,6 +120,7 @@ def replay(
             out.tokens += len(tokens)
         out.ns[kind] += ns
         out.steps[kind] += 1
+        out.rows[kind] += len(tokens)
         admitted = freed = False
     return out
 

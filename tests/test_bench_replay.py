@@ -35,6 +35,7 @@ def test_a_replay_takes_the_recorded_steps() -> None:
     assert again.steps["out of blocks"] == live.preemptions > 0
     assert sum(again.steps.values()) == live.steps + live.preemptions
     assert all(again.steps[kind] > 0 for kind in KINDS)
+    assert sum(again.rows.values()) - again.rows["out of blocks"] == live.decode_tokens
     assert again.ns_per_token() > 0
     assert call_ns(rounds=1, calls=10) > 0
 
