@@ -226,6 +226,13 @@ def report(name: str, r: RunResult) -> None:
     )
 
 
+def managers(args: argparse.Namespace, caching: bool, cls: Any = BlockManager) -> Callable[[], Any]:
+    """Makes fresh managers of `cls` (this build's, or another build's) for the replays."""
+    return lambda: cls(
+        args.num_blocks, args.block_size, hash_key=bytes(32), enable_prefix_caching=caching
+    )
+
+
 def breakdown(args: argparse.Namespace, trace: Trace) -> None:
     """Where `step_batch`'s time goes in this loop: the loop's calls replayed with nothing
     between them (see replay.py), with prefix caching on and off, and the call's fixed cost.
@@ -233,15 +240,7 @@ def breakdown(args: argparse.Namespace, trace: Trace) -> None:
     print("where step_batch's time goes (replayed: the same calls again, nothing between them)")
     replayed = {}
     for caching in (True, False):
-
-        def new_manager(caching: bool = caching) -> BlockManager:
-            return BlockManager(
-                args.num_blocks,
-                args.block_size,
-                hash_key=bytes(32),
-                enable_prefix_caching=caching,
-            )
-
+        new_manager = managers(args, caching)
         lives = []
         for _ in range(args.replays):
             gc.collect()
@@ -317,20 +316,11 @@ def against_in_process(args: argparse.Namespace) -> int:
     base = load_core(args.against)
     trace = make_trace(100 if args.quick else args.requests, args.seed)
     for caching in (True, False):
-
-        def manager(cls: Any, caching: bool = caching) -> Callable[[], Any]:
-            return lambda: cls(
-                args.num_blocks,
-                args.block_size,
-                hash_key=bytes(32),
-                enable_prefix_caching=caching,
-            )
-
-        recorder = Recorder(manager(BlockManager)())
+        recorder = Recorder(managers(args, caching)())
         serve(recorder, trace, args.max_running, True, recorder.new_batch)
         builds = {
-            "this build": (manager(BlockManager), None),
-            args.against: (manager(base.BlockManager), base),
+            "this build": (managers(args, caching), None),
+            args.against: (managers(args, caching, base.BlockManager), base),
         }
         times: dict[str, list[float]] = {name: [] for name in builds}
         for round_ in range(args.rounds):

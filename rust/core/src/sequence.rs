@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::prefix::{root_key, Chain, MapKey};
+use crate::prefix::{block_hash_of, root_key, BlockHash, Chain, MapKey};
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, SeqId, Token};
 
@@ -79,11 +79,6 @@ pub(crate) struct PendingCopy {
 }
 
 impl Sequence {
-    /// The chaining value of the last hashed block (the root before any).
-    pub(crate) fn tail_chain(&self) -> Chain {
-        self.hashes.last().copied().unwrap_or(self.root)
-    }
-
     /// A new sequence whose first `computed` tokens (whole blocks) already have KV.
     pub(crate) fn new(
         tokens: Vec<Token>,
@@ -125,6 +120,20 @@ impl Sequence {
             0 => root_key(&self.root),
             _ => self.keys[i - 1],
         }
+    }
+
+    /// The chaining value full block `i` is hashed under (hashed up to `i - 1`).
+    pub(crate) fn parent_chain(&self, i: usize) -> Chain {
+        match i {
+            0 => self.root,
+            _ => self.hashes[i - 1],
+        }
+    }
+
+    /// The published hash of full block `i`'s parent, as its events carry it (none for block 0).
+    pub(crate) fn parent_hash(&self, i: usize) -> Option<BlockHash> {
+        i.checked_sub(1)
+            .map(|parent| block_hash_of(&self.hashes[parent]))
     }
 
     /// Whether nothing but decoding is in flight: no copies, loads or swaps, and a tail held

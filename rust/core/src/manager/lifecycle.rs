@@ -154,9 +154,8 @@ impl BlockManager {
         while s.hashes.len() < n {
             let i = s.hashes.len();
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let key = prefix.key_block(s.parent_key(i), tokens);
-            s.hashes.push(prefix.hash_block(&parent, tokens));
+            s.hashes.push(prefix.hash_block(&s.parent_chain(i), tokens));
             s.keys.push(key);
         }
     }
@@ -191,9 +190,7 @@ impl BlockManager {
                 self.gpu.mark_hashed(block);
                 self.events.record(|| EventKind::BlockStored {
                     block_hash: block_hash_of(chain),
-                    parent_hash: i
-                        .checked_sub(1)
-                        .map(|parent| block_hash_of(&s.hashes[parent])),
+                    parent_hash: s.parent_hash(i),
                     token_ids: tokens.to_vec(),
                     block_id: block,
                     medium: PoolKind::Gpu,

@@ -259,7 +259,8 @@ impl BlockManager {
             .zip(&pending.members)
             .take(pending.n)
         {
-            *parent = batch.at(member).tail_chain();
+            let s = batch.at(member);
+            *parent = s.parent_chain(s.hashes.len());
         }
         let chains = hash_lanes::chains(&pending.parents, &pending.blocks, pending.n);
         let queued = pending.members.iter().zip(&pending.blocks).zip(chains);

@@ -62,7 +62,7 @@ impl BlockManager {
             self.cpu_tier.add(block, hash, || {
                 self.events.record(|| EventKind::BlockStored {
                     block_hash: hash,
-                    parent_hash: (i > 0).then(|| block_hash_of(&s.hashes[i - 1])),
+                    parent_hash: s.parent_hash(i),
                     token_ids: s.tokens[i * bs..(i + 1) * bs].to_vec(),
                     block_id: block,
                     medium: PoolKind::Cpu,
