@@ -38,7 +38,10 @@ const PAD: i32 = -1;
 #[derive(Debug)]
 pub struct Batch {
     ids: Vec<SeqId>,
-    rows: Vec<Row>,
+    /// Where each row's sequence was last found (a hint: checked before use).
+    members: Vec<Option<Member>>,
+    /// The table version each row mirrors (0: none yet, the row was not stepped).
+    epochs: Vec<u64>,
     ends: RowEnds,
     row_of: HashMap<SeqId, usize>,
     /// Shards of the rows' sequences, as `SequenceMap::lock_shards` takes them; `None` after a
@@ -55,16 +58,6 @@ pub struct Batch {
     /// last step ([`Batch::write_inputs`], which also flagged those rows settled); `None` once
     /// a row was added or removed, or a step used or passed over it.
     ahead: Option<Appends>,
-}
-
-/// What a batch knows of a row's sequence since its last step (its length and blocks are in
-/// [`RowEnds`]).
-#[derive(Clone, Copy, Debug, Default)]
-struct Row {
-    /// Where the sequence was last found (a hint: checked before use).
-    member: Option<Member>,
-    /// The table version the row mirrors (0: none yet, the row was not stepped).
-    epoch: u64,
 }
 
 /// Each row's length and blocks as of the last step, one array per field, so a step writes
@@ -88,6 +81,18 @@ struct RowEnds {
     /// length grows by the token once the step's appends are done. Between steps: whether it
     /// is in the next one if that finds every shard untouched.
     settled: Vec<bool>,
+    /// Whether a settled row's token takes a new block (its last block is full), likewise.
+    takes: Vec<bool>,
+}
+
+/// What a decode step's second pass reads of every row, moved out of the batch while that
+/// pass writes the rest ([`Batch::take_pass`]): the pass then reads it from locals, without a
+/// bounds check, rather than through the batch again after each store to a sequence.
+#[derive(Debug, Default)]
+pub(crate) struct RowPass {
+    pub(crate) members: Vec<Option<Member>>,
+    pub(crate) settled: Vec<bool>,
+    pub(crate) takes: Vec<bool>,
 }
 
 impl RowEnds {
@@ -98,6 +103,7 @@ impl RowEnds {
         self.below.push(0);
         self.shard.push(shard);
         self.settled.push(false);
+        self.takes.push(false);
     }
 
     /// Moves row `from` into row `to`, then drops the last row.
@@ -113,6 +119,7 @@ impl RowEnds {
             array.pop();
         }
         self.settled.pop();
+        self.takes.pop();
     }
 
     fn clear(&mut self) {
@@ -122,6 +129,7 @@ impl RowEnds {
         self.below.clear();
         self.shard.clear();
         self.settled.clear();
+        self.takes.clear();
     }
 
     fn pages(&self, row: usize) -> usize {
@@ -129,14 +137,18 @@ impl RowEnds {
     }
 
     /// Flags the rows settled in a step that finds the shards `untouched` (those whose sequence
-    /// is shorter than their `below` and whose shard is in it); returns what their appends
-    /// take (blocks of `bs` tokens). `AFTER_STEP`: at the end of a step, which first adds its
-    /// token to the length of each row it flagged, for the next step if it finds every shard
-    /// untouched (`untouched` is not read).
+    /// is shorter than their `below` and whose shard is in it), and those of them that take a
+    /// block; returns what their appends take (blocks of `bs` tokens). `AFTER_STEP`: at the
+    /// end of a step, which first adds its token to the length of each row it flagged, for the
+    /// next step if it finds every shard untouched (`untouched` is not read).
     fn flag_settled<const AFTER_STEP: bool>(&mut self, untouched: u32, bs: BlockSize) -> Appends {
-        let (lens, settled) = (&mut self.len, &mut self.settled);
+        let flags = (
+            &mut self.len[..],
+            &mut self.settled[..],
+            &mut self.takes[..],
+        );
         let ends = (&self.pages[..], &self.below[..], &self.shard[..]);
-        flag_settled::<AFTER_STEP>(lens, settled, ends, untouched, bs)
+        flag_settled::<AFTER_STEP>(flags, ends, untouched, bs)
     }
 }
 
@@ -145,8 +157,7 @@ impl RowEnds {
 /// vectorizes it with the x86-64 baseline's SSE2.
 #[inline(never)]
 fn flag_settled<const AFTER_STEP: bool>(
-    lens: &mut [u32],
-    settled: &mut [bool],
+    (lens, settled, takes): (&mut [u32], &mut [bool], &mut [bool]),
     (pages, below, shard): (&[u32], &[u32], &[u32]),
     untouched: u32,
     bs: BlockSize,
@@ -154,14 +165,15 @@ fn flag_settled<const AFTER_STEP: bool>(
     let (size, mask) = (bs.get() as i32, bs.get() as i32 - 1);
     let pow2 = size.count_ones() == 1;
     let (mut new_blocks, mut widest) = (0i32, 0i32);
-    let lens = lens.iter_mut().zip(settled);
+    let flags = lens.iter_mut().zip(settled.iter_mut().zip(takes));
     let ends = (pages.iter().zip(below)).zip(shard);
-    for ((len, settled), ((&pages, &below), &shard)) in lens.zip(ends) {
+    for ((len, (settled, takes)), ((&pages, &below), &shard)) in flags.zip(ends) {
         let now = *len as i32 + i32::from(*settled & AFTER_STEP);
         *len = now as u32;
         *settled = (now < below as i32) & (AFTER_STEP || shard & untouched != 0);
         let offset = if pow2 { now & mask } else { now % size };
         let fresh = i32::from(*settled & (offset == 0));
+        *takes = fresh != 0;
         let pages_after = if *settled { pages as i32 + fresh } else { 0 };
         new_blocks += fresh;
         widest = widest.max(pages_after);
@@ -222,7 +234,8 @@ impl Batch {
         inputs.clear();
         Batch {
             ids: Vec::new(),
-            rows: Vec::new(),
+            members: Vec::new(),
+            epochs: Vec::new(),
             ends: RowEnds::default(),
             row_of: HashMap::new(),
             shards: Some(0),
@@ -268,7 +281,8 @@ impl Batch {
         }
         self.row_of.insert(seq, self.ids.len());
         self.ids.push(seq);
-        self.rows.push(Row::default());
+        self.members.push(None);
+        self.epochs.push(0);
         let shard = shard_bit(seq);
         self.ends.push(shard);
         self.table.resize(self.table.len() + self.width, PAD);
@@ -298,7 +312,8 @@ impl Batch {
                 };
                 self.set(row, col, value);
             }
-            self.rows[row] = self.rows[last];
+            self.members[row] = self.members[last];
+            self.epochs[row] = self.epochs[last];
             self.ids[row] = self.ids[last];
             self.row_of.insert(self.ids[row], row);
         }
@@ -307,7 +322,8 @@ impl Batch {
             self.set(last, col, PAD);
         }
         self.ids.pop();
-        self.rows.pop();
+        self.members.pop();
+        self.epochs.pop();
         self.ends.move_and_pop(last, row);
         self.table.truncate(self.ids.len() * self.width);
         self.shards = None;
@@ -319,7 +335,8 @@ impl Batch {
     /// Removes every row.
     pub fn clear(&mut self) {
         self.ids.clear();
-        self.rows.clear();
+        self.members.clear();
+        self.epochs.clear();
         self.ends.clear();
         self.row_of.clear();
         self.table.clear();
@@ -386,7 +403,7 @@ impl Batch {
 
     /// Where row `row`'s sequence was last found (by this step, once it visited the row).
     pub(crate) fn member_hint(&self, row: usize) -> Option<Member> {
-        self.rows[row].member
+        self.members[row]
     }
 
     /// The shards of `batch` that nothing else locked since this batch's last step.
@@ -396,8 +413,9 @@ impl Batch {
             .map_or(0, |locks| batch.untouched(locks))
     }
 
-    /// Marks the settled rows for [`Batch::is_settled`]: those in a shard in `untouched` whose
-    /// sequence is shorter than the length the last step recorded ([`Batch::record_row`]).
+    /// Flags the settled rows, and those of them that take a block, for a step's second pass
+    /// ([`Batch::take_pass`]): those in a shard in `untouched` whose sequence is shorter than
+    /// the length the last step recorded ([`Batch::record_row`]).
     /// Returns what their appends take (blocks of `bs` tokens), from what the batch kept. When
     /// every shard of the batch is untouched, the last step already flagged and counted them.
     pub(crate) fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends {
@@ -406,7 +424,11 @@ impl Batch {
             Some(ahead) => ahead,
             None => self.ends.flag_settled::<false>(untouched, bs),
         };
-        let flagged = |row| self.ends.settled[row] == self.settles(row, untouched);
+        let flagged = |row| {
+            let settled = self.settles(row, untouched);
+            let full = bs.offset(self.ends.len[row] as usize) == 0;
+            self.ends.settled[row] == settled && self.ends.takes[row] == (settled && full)
+        };
         debug_assert!((0..self.len()).all(flagged));
         debug_assert_eq!(appends, self.appends_of_settled(bs));
         appends
@@ -425,15 +447,25 @@ impl Batch {
     /// (what debug builds check [`Batch::settle`]'s flags against).
     fn settles(&self, row: usize, untouched: u32) -> bool {
         self.ends.len[row] < self.ends.below[row]
-            && self.rows[row]
-                .member
-                .is_some_and(|member| untouched & member.shard_bit() != 0)
+            && self.members[row].is_some_and(|member| untouched & member.shard_bit() != 0)
     }
 
-    /// Whether [`Batch::settle`] found row `row` settled in this step.
-    #[inline(always)]
-    pub(crate) fn is_settled(&self, row: usize) -> bool {
-        self.ends.settled[row]
+    /// Moves out what a step's second pass reads of every row (where its sequence is, whether
+    /// it is settled and whether it then takes a block), until [`Batch::restore_pass`]; the
+    /// rows' hints and flags are not read or written meanwhile.
+    pub(crate) fn take_pass(&mut self) -> RowPass {
+        RowPass {
+            members: std::mem::take(&mut self.members),
+            settled: std::mem::take(&mut self.ends.settled),
+            takes: std::mem::take(&mut self.ends.takes),
+        }
+    }
+
+    /// Puts back what [`Batch::take_pass`] moved out.
+    pub(crate) fn restore_pass(&mut self, pass: RowPass) {
+        self.members = pass.members;
+        self.ends.settled = pass.settled;
+        self.ends.takes = pass.takes;
     }
 
     /// The first row from `row` on that [`Batch::settle`] did not find settled.
@@ -457,7 +489,7 @@ impl Batch {
 
     /// Remembers where row `row`'s sequence is.
     pub(crate) fn found(&mut self, row: usize, member: Member) {
-        self.rows[row].member = Some(member);
+        self.members[row] = Some(member);
     }
 
     /// Widens the table, before a step changes anything, so every row fits `pages` entries.
@@ -500,10 +532,10 @@ impl Batch {
         // A decode step's usual cases, which read no entry the row already has: the same
         // blocks, or one more at the end.
         let pages = self.ends.pages(row);
-        if self.rows[row].epoch == epoch && pages == blocks.len() {
+        if self.epochs[row] == epoch && pages == blocks.len() {
             return;
         }
-        if self.rows[row].epoch == epoch && pages + 1 == blocks.len() {
+        if self.epochs[row] == epoch && pages + 1 == blocks.len() {
             self.push_block(row, blocks[pages]);
             return;
         }
@@ -521,7 +553,7 @@ impl Batch {
     /// [`Batch::sync_row`] when more than the last entry may have changed.
     #[inline(never)]
     fn sync_whole_row(&mut self, row: usize, blocks: &[BlockId], epoch: u64) {
-        let (seen, pages) = (self.rows[row].epoch, self.ends.pages(row));
+        let (seen, pages) = (self.epochs[row], self.ends.pages(row));
         if pages == 0 {
             // An empty row (all -1: one just added, or emptied): its blocks go in as one run.
             self.fill_row(row, blocks);
@@ -538,7 +570,7 @@ impl Batch {
                 self.set(row, col, PAD);
             }
         }
-        self.rows[row].epoch = epoch;
+        self.epochs[row] = epoch;
         self.ends.pages[row] = blocks.len() as u32;
         self.ends.last[row] = blocks.last().copied().unwrap_or_default();
     }

@@ -2,7 +2,7 @@
 //! same for a persistent [`Batch`]) and `plan` (any batch), with the copy-on-write of a shared
 //! last block.
 
-use crate::batch::{Appends, Batch};
+use crate::batch::{Appends, Batch, RowPass};
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::hash_lanes::{self, LANES, LANE_TOKENS};
@@ -128,29 +128,34 @@ impl BlockManager {
         rows.begin(nnz, self.bs);
         // Every new block is taken; copies may turn out unneeded (a holder let go meanwhile).
         let (mut takes, mut computed) = (Takes::at_least(new_blocks), 0);
-        // The settled rows' appends read the block size and the auto-commit flag from locals:
-        // through `self`, they would be loaded again after every store to a sequence.
-        let settling = Settling {
-            bs: self.bs,
-            auto_commit: self.config.auto_commit,
-        };
         let mut slots = batch.slots();
-        for (row, &token) in tokens.iter().enumerate() {
-            let s = slots.at(rows.member(row));
-            if rows.is_settled(row) {
-                let took = self.append_settled(s, token, settling, &mut takes, &mut computed);
-                if let Some(block) = took {
+        if R::KEEPS_ROWS {
+            // What the pass reads of each row, and the auto-commit flag, come from locals:
+            // through `self` or the batch, they would be loaded again (and the rows bounds
+            // checked) after every store to a sequence.
+            let auto_commit = self.config.auto_commit;
+            let pass = rows.take_pass();
+            let members = tokens.iter().zip(&pass.members);
+            let flags = pass.settled.iter().zip(&pass.takes);
+            for (row, ((&token, member), (&settled, &full))) in members.zip(flags).enumerate() {
+                let s = slots.at(member.expect("a settled row's last step, or this one, found it"));
+                if !settled {
+                    computed += self.append_checked(rows, row, s, token, &mut takes);
+                    continue;
+                }
+                debug_assert_eq!(full, self.bs.offset(s.tokens.len()) == 0);
+                computed += append_settled(s, token, auto_commit);
+                if full {
+                    let block = self.take(&mut takes);
+                    s.table.push(block);
                     rows.push_settled_block(row, block);
                 }
-            } else {
-                computed += self.auto_commit(s);
-                self.append_token(s, token, &mut takes);
-                let settled_below = if R::KEEPS_ROWS {
-                    self.settled_below(s)
-                } else {
-                    0
-                };
-                rows.push(row, s, settled_below, self.bs);
+            }
+            rows.restore_pass(pass);
+        } else {
+            for (row, &token) in tokens.iter().enumerate() {
+                let s = slots.at(rows.member(row));
+                computed += self.append_checked(rows, row, s, token, &mut takes);
             }
         }
         rows.finish(&batch, self.bs);
@@ -178,33 +183,26 @@ impl BlockManager {
         }
     }
 
-    /// The auto-commit and the append of a settled sequence (see
-    /// [`BlockManager::settled_below`]), which read only what they write: the commit
-    /// completes no copy and registers no block, and the append copies no tail. Adds the
-    /// tokens that became computed to `computed`; returns the block the sequence took, if
-    /// any, and marks its tokens planned (it hands over no copies).
+    /// The second pass of a row checked in full: its auto-commit, its append and its inputs.
+    /// Returns the tokens that became computed.
     #[inline(always)]
-    fn append_settled(
+    fn append_checked<R: DecodeRows>(
         &self,
+        rows: &mut R,
+        row: usize,
         s: &mut Sequence,
         token: Token,
-        settling: Settling,
         takes: &mut Takes,
-        computed: &mut u64,
-    ) -> Option<BlockId> {
-        debug_assert!(s.is_quiet() && s.planned == s.tokens.len());
-        if settling.auto_commit {
-            *computed += (s.planned - s.computed) as u64;
-            s.computed = s.planned;
-        }
-        let full = settling.bs.offset(s.tokens.len()) == 0;
-        s.tokens.push(token);
-        s.planned = s.tokens.len();
-        let new_block = full.then(|| self.take(takes));
-        if let Some(block) = new_block {
-            s.table.push(block);
-        }
-        new_block
+    ) -> u64 {
+        let computed = self.auto_commit(s);
+        self.append_token(s, token, takes);
+        let settled_below = if R::KEEPS_ROWS {
+            self.settled_below(s)
+        } else {
+            0
+        };
+        rows.push(row, s, settled_below, self.bs);
+        computed
     }
 
     /// Whether a decode step hashes the blocks it registers together ([`hash_lanes`]).
@@ -398,11 +396,22 @@ impl BlockManager {
     }
 }
 
-/// What a settled row's append reads of the manager, copied into locals for the step.
-#[derive(Clone, Copy)]
-struct Settling {
-    bs: BlockSize,
-    auto_commit: bool,
+/// The auto-commit and the append of a settled sequence (see
+/// [`BlockManager::settled_below`]), which read only what they write: the commit completes no
+/// copy and registers no block, and the append copies no tail. Marks its tokens planned (it
+/// hands over no copies); returns the tokens that became computed. A block the token needs
+/// is the caller's to add.
+#[inline(always)]
+fn append_settled(s: &mut Sequence, token: Token, auto_commit: bool) -> u64 {
+    debug_assert!(s.is_quiet() && s.planned == s.tokens.len());
+    let mut computed = 0;
+    if auto_commit {
+        computed = (s.planned - s.computed) as u64;
+        s.computed = s.planned;
+    }
+    s.tokens.push(token);
+    s.planned = s.tokens.len();
+    computed
 }
 
 /// Blocks a decode step's first pass queued to hash together: each the one block its
@@ -486,10 +495,14 @@ trait DecodeRows {
     fn untouched(&self, batch: &LockedBatch<'_>) -> u32;
     /// Marks the rows whose sequence is as the rows' last step left it, known unchanged since
     /// (its shard in `untouched`), and decodes as settled ([`BlockManager::settled_below`]),
-    /// for [`DecodeRows::is_settled`]; returns what their appends take (blocks of `bs` tokens).
+    /// and those of them that take a block; returns what their appends take (blocks of `bs`
+    /// tokens).
     fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends;
-    /// Whether [`DecodeRows::settle`] found row `row` settled in this step.
-    fn is_settled(&self, row: usize) -> bool;
+    /// Moves out, for the second pass, where each row's sequence is and what
+    /// [`DecodeRows::settle`] flagged (kept rows only: [`DecodeRows::KEEPS_ROWS`]).
+    fn take_pass(&mut self) -> RowPass;
+    /// Puts back what [`DecodeRows::take_pass`] moved out.
+    fn restore_pass(&mut self, pass: RowPass);
     /// The first row from `row` on that is not settled.
     fn unsettled_from(&self, row: usize) -> Option<usize>;
     /// Makes room for rows of up to `pages` blocks, before anything changes.
@@ -499,8 +512,8 @@ trait DecodeRows {
     /// Adds row `row`'s inputs after its append, and hands over its copies; `s` decodes as
     /// settled below length `settled_below` in later steps.
     fn push(&mut self, row: usize, s: &mut Sequence, settled_below: usize, bs: BlockSize);
-    /// [`DecodeRows::push`] of a settled row whose append ([`BlockManager::append_settled`])
-    /// took `block` (no copies, still quiet); one that took none needs no push.
+    /// [`DecodeRows::push`] of a settled row whose append ([`append_settled`]) took `block`
+    /// (no copies, still quiet); one that took none needs no push.
     fn push_settled_block(&mut self, row: usize, block: BlockId);
     /// Completes the inputs once every row was pushed, and records the step's shards.
     fn finish(&mut self, batch: &LockedBatch<'_>, bs: BlockSize);
@@ -559,8 +572,11 @@ impl DecodeRows for Listed<'_> {
     fn settle(&mut self, _untouched: u32, _bs: BlockSize) -> Appends {
         Appends::default()
     }
-    fn is_settled(&self, _row: usize) -> bool {
-        false
+    fn take_pass(&mut self) -> RowPass {
+        unreachable!("a list keeps nothing between steps, so its rows are all checked in full")
+    }
+    fn restore_pass(&mut self, _pass: RowPass) {
+        unreachable!("a list keeps nothing between steps, so its rows are all checked in full")
     }
     fn unsettled_from(&self, row: usize) -> Option<usize> {
         (row < self.seqs.len()).then_some(row)
@@ -605,9 +621,11 @@ impl DecodeRows for Batch {
     fn settle(&mut self, untouched: u32, bs: BlockSize) -> Appends {
         Batch::settle(self, untouched, bs)
     }
-    #[inline(always)]
-    fn is_settled(&self, row: usize) -> bool {
-        Batch::is_settled(self, row)
+    fn take_pass(&mut self) -> RowPass {
+        Batch::take_pass(self)
+    }
+    fn restore_pass(&mut self, pass: RowPass) {
+        Batch::restore_pass(self, pass)
     }
     #[inline(always)]
     fn unsettled_from(&self, row: usize) -> Option<usize> {
