@@ -142,22 +142,21 @@ impl RowEnds {
     /// end of a step, which first adds its token to the length of each row it flagged, for the
     /// next step if it finds every shard untouched (`untouched` is not read).
     fn flag_settled<const AFTER_STEP: bool>(&mut self, untouched: u32, bs: BlockSize) -> Appends {
-        let flags = (
-            &mut self.len[..],
-            &mut self.settled[..],
-            &mut self.takes[..],
-        );
+        let (lens, settled, takes) = (&mut self.len, &mut self.settled, &mut self.takes);
         let ends = (&self.pages[..], &self.below[..], &self.shard[..]);
-        flag_settled::<AFTER_STEP>(flags, ends, untouched, bs)
+        flag_settled::<AFTER_STEP>(lens, settled, takes, ends, untouched, bs)
     }
 }
 
 /// [`RowEnds::flag_settled`] on the arrays: branch-free, in `i32` (lengths and pages are at most
 /// `MAX_TOKENS`, `i32::MAX`), and out of line so that the compiler knows the arrays apart: it
-/// vectorizes it with the x86-64 baseline's SSE2.
+/// vectorizes it with the x86-64 baseline's SSE2 (the written arrays are separate arguments:
+/// inside a tuple, the compiler checks at run time that they do not overlap).
 #[inline(never)]
 fn flag_settled<const AFTER_STEP: bool>(
-    (lens, settled, takes): (&mut [u32], &mut [bool], &mut [bool]),
+    lens: &mut [u32],
+    settled: &mut [bool],
+    takes: &mut [bool],
     (pages, below, shard): (&[u32], &[u32], &[u32]),
     untouched: u32,
     bs: BlockSize,
