@@ -18,10 +18,7 @@ pub(crate) const LANE_TOKENS: usize = 16;
 
 /// Whether this CPU hashes [`LANES`] blocks together.
 pub(crate) fn available() -> bool {
-    #[cfg(all(target_arch = "x86_64", not(loom)))]
-    return std::arch::is_x86_feature_detected!("avx2");
-    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
-    false
+    crate::simd::has_avx2()
 }
 
 /// The keyed BLAKE3 hash of each of the first `n` blocks under its parent's chaining value

@@ -59,6 +59,7 @@ mod pool;
 mod prefix;
 mod prefix_map;
 mod sequence;
+mod simd;
 mod stats;
 mod sync;
 
