@@ -170,32 +170,37 @@ impl BlockManager {
             return;
         }
         self.hash_blocks(prefix, s, upto);
-        let bs = self.bs.get();
+        let (from, bs) = (s.registered, self.bs.get());
+        // The run's blocks, keys, chains and tokens, sliced once: indexed block by block, each
+        // would be bounds checked again.
+        let (blocks, keys) = (&s.table[from..upto], &s.keys[from..upto]);
+        let chains = &s.hashes[from..upto];
+        let tokens = s.tokens[from * bs..upto * bs].chunks_exact(bs);
         // A run of registrations (a prefill's commit) fetches the lines of the ones ahead while
         // it writes this one. Not the first: it is written at once (and a decode step prefetched
         // it a pass earlier).
-        let prefetch = |i: usize| {
-            if i < upto {
-                prefix.prefetch_registration(s.table[i], s.keys[i]);
-                self.gpu.prefetch_state(s.table[i]);
+        let prefetch = |j: usize| {
+            if let (Some(&block), Some(&key)) = (blocks.get(j), keys.get(j)) {
+                prefix.prefetch_registration(block, key);
+                self.gpu.prefetch_state(block);
             }
         };
-        (s.registered + 1..s.registered + REGISTRATIONS_AHEAD).for_each(prefetch);
-        for i in s.registered..upto {
-            prefetch(i + REGISTRATIONS_AHEAD);
-            let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            let block = s.table[i];
-            let (key, chain) = (s.keys[i], &s.hashes[i]);
-            prefix.register(block, key, s.parent_key(i), chain, tokens, || {
+        (1..REGISTRATIONS_AHEAD).for_each(prefetch);
+        let mut parent = s.parent_key(from);
+        let run = blocks.iter().zip(keys).zip(chains).zip(tokens);
+        for (j, (((&block, &key), chain), tokens)) in run.enumerate() {
+            prefetch(j + REGISTRATIONS_AHEAD);
+            prefix.register(block, key, parent, chain, tokens, || {
                 self.gpu.mark_hashed(block);
                 self.events.record(|| EventKind::BlockStored {
                     block_hash: block_hash_of(chain),
-                    parent_hash: s.parent_hash(i),
+                    parent_hash: s.parent_hash(from + j),
                     token_ids: tokens.to_vec(),
                     block_id: block,
                     medium: PoolKind::Gpu,
                 });
             });
+            parent = key;
         }
         s.registered = upto;
     }
