@@ -683,12 +683,9 @@ impl Batch {
             nnz += pages as i32;
             *end = nnz;
         }
-        let outputs = (
-            &mut inputs.positions[..],
-            &mut inputs.kv_last_page_len[..],
-            &mut inputs.slot_mapping[..],
-        );
-        write_rows(outputs, &ends.len, &ends.last, bs);
+        let (positions, last_page_lens) = (&mut inputs.positions, &mut inputs.kv_last_page_len);
+        let slots = &mut inputs.slot_mapping;
+        write_rows(positions, last_page_lens, slots, &ends.len, &ends.last, bs);
     }
 }
 
@@ -696,7 +693,9 @@ impl Batch {
 /// out of line, a loop the compiler vectorizes, with AVX2 where the CPU has it.
 #[inline(never)]
 fn write_rows(
-    outputs: (&mut [i32], &mut [i32], &mut [i32]),
+    positions: &mut [i32],
+    last_page_lens: &mut [i32],
+    slots: &mut [i32],
     lens: &[u32],
     lasts: &[BlockId],
     bs: BlockSize,
@@ -705,27 +704,31 @@ fn write_rows(
     if crate::simd::has_avx2() {
         #[allow(unsafe_code)]
         // SAFETY: the CPU has AVX2, the only target feature the copy is compiled with.
-        return unsafe { write_rows_avx2(outputs, lens, lasts, bs) };
+        return unsafe { write_rows_avx2(positions, last_page_lens, slots, lens, lasts, bs) };
     }
-    write_each_row(outputs, lens, lasts, bs);
+    write_each_row(positions, last_page_lens, slots, lens, lasts, bs);
 }
 
 /// [`write_rows`] compiled with AVX2.
 #[cfg(all(target_arch = "x86_64", not(loom)))]
 #[target_feature(enable = "avx2")]
 fn write_rows_avx2(
-    outputs: (&mut [i32], &mut [i32], &mut [i32]),
+    positions: &mut [i32],
+    last_page_lens: &mut [i32],
+    slots: &mut [i32],
     lens: &[u32],
     lasts: &[BlockId],
     bs: BlockSize,
 ) {
-    write_each_row(outputs, lens, lasts, bs);
+    write_each_row(positions, last_page_lens, slots, lens, lasts, bs);
 }
 
 /// The loop of [`write_rows`], inlined into each of its copies.
 #[inline(always)]
 fn write_each_row(
-    (positions, last_page_lens, slots): (&mut [i32], &mut [i32], &mut [i32]),
+    positions: &mut [i32],
+    last_page_lens: &mut [i32],
+    slots: &mut [i32],
     lens: &[u32],
     lasts: &[BlockId],
     bs: BlockSize,
@@ -923,15 +926,14 @@ mod tests {
                 let write = |avx2: bool| {
                     let mut out = [vec![0; n], vec![0; n], vec![0; n]];
                     let [a, b, c] = &mut out;
-                    let outputs = (&mut a[..], &mut b[..], &mut c[..]);
                     if avx2 {
                         #[allow(unsafe_code)]
                         // SAFETY: the CPU has AVX2 (checked above).
                         unsafe {
-                            write_rows_avx2(outputs, &lens, &lasts, bs)
+                            write_rows_avx2(a, b, c, &lens, &lasts, bs)
                         };
                     } else {
-                        write_each_row(outputs, &lens, &lasts, bs);
+                        write_each_row(a, b, c, &lens, &lasts, bs);
                     }
                     out
                 };
