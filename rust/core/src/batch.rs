@@ -72,8 +72,9 @@ struct RowEnds {
     last: Vec<BlockId>,
     /// The row's sequence decodes as settled while it is shorter than this (0: never; the
     /// last step left something in flight, or none stepped the row, so a row with more has
-    /// a member). Set by the manager that stepped the row, from the sequence's state and its
-    /// own configuration.
+    /// a member), and also at exactly this length, its step then registering one block,
+    /// unless it is 0 or [`NO_REGISTRATION`]. Set by the manager that stepped the row, from
+    /// the sequence's state and its own configuration.
     below: Vec<u32>,
     /// The bit of the row's sequence's shard (as `SequenceMap::lock_shards` takes them).
     shard: Vec<u32>,
@@ -82,8 +83,13 @@ struct RowEnds {
     /// is in the next one if that finds every shard untouched.
     settled: Vec<bool>,
     /// Whether a settled row's token takes a new block (its last block is full), likewise.
+    /// A settled row that registers a block takes one: its length is a block boundary.
     takes: Vec<bool>,
 }
+
+/// The `below` of a row whose sequence registers no block as it decodes: the limit of tokens,
+/// which no sequence that can take a decode token has.
+pub(crate) const NO_REGISTRATION: usize = i32::MAX as usize;
 
 /// What a decode step's second pass reads of every row, moved out of the batch while that
 /// pass writes the rest ([`Batch::take_pass`]): the pass then reads it from locals, without a
@@ -137,8 +143,8 @@ impl RowEnds {
     }
 
     /// Flags the rows settled in a step that finds the shards `untouched` (those whose sequence
-    /// is shorter than their `below` and whose shard is in it), and those of them that take a
-    /// block; returns what their appends take (blocks of `bs` tokens). `AFTER_STEP`: at the
+    /// is shorter than their `below`, or as long if it registers a block there, and whose shard
+    /// is in it), and those of them that take a block; returns what their appends take (blocks of `bs` tokens). `AFTER_STEP`: at the
     /// end of a step, which first adds its token to the length of each row it flagged, for the
     /// next step if it finds every shard untouched (`untouched` is not read).
     fn flag_settled<const AFTER_STEP: bool>(&mut self, untouched: u32, bs: BlockSize) -> Appends {
@@ -205,7 +211,9 @@ fn flag_rows<const AFTER_STEP: bool>(
     for ((len, (settled, takes)), ((&pages, &below), &shard)) in flags.zip(ends) {
         let now = *len as i32 + i32::from(*settled & AFTER_STEP);
         *len = now as u32;
-        *settled = (now < below as i32) & (AFTER_STEP || shard & untouched != 0);
+        let below = below as i32;
+        let boundary = (now == below) & (below > 0) & (below != NO_REGISTRATION as i32);
+        *settled = ((now < below) | boundary) & (AFTER_STEP || shard & untouched != 0);
         let offset = if pow2 { now & mask } else { now % size };
         let fresh = i32::from(*settled & (offset == 0));
         *takes = fresh != 0;
@@ -481,7 +489,8 @@ impl Batch {
     /// Whether row `row` is settled in a step that found the shards `untouched`, by definition
     /// (what debug builds check [`Batch::settle`]'s flags against).
     fn settles(&self, row: usize, untouched: u32) -> bool {
-        self.ends.len[row] < self.ends.below[row]
+        let (len, below) = (self.ends.len[row], self.ends.below[row]);
+        (len < below || len == below && below > 0 && below as usize != NO_REGISTRATION)
             && self.members[row].is_some_and(|member| untouched & member.shard_bit() != 0)
     }
 
@@ -503,28 +512,43 @@ impl Batch {
         self.ends.takes = pass.takes;
     }
 
-    /// The first row from `row` on that [`Batch::settle`] did not find settled: eight flags a
-    /// word (a batch of settled rows is scanned in a few dozen instructions, not a few for
-    /// each row).
+    /// The first row from `row` on that a step's first pass visits: one [`Batch::settle`] did
+    /// not find settled or, with `taking`, a settled one whose token takes a block (it may
+    /// register one). Eight rows a word: a batch of settled rows is scanned in a few dozen
+    /// instructions, not a few for each row.
     #[inline(always)]
-    pub(crate) fn unsettled_from(&self, row: usize) -> Option<usize> {
+    pub(crate) fn to_visit_from(&self, row: usize, taking: bool) -> Option<usize> {
         const ALL: u64 = u64::from_le_bytes([1; 8]);
-        let rest = self.ends.settled.get(row..)?;
-        let mut words = rest.chunks_exact(8);
-        for (i, word) in words.by_ref().enumerate() {
-            let flags = u64::from_le_bytes(std::array::from_fn(|b| u8::from(word[b])));
-            if flags != ALL {
-                let first = (!flags & ALL).trailing_zeros() as usize / 8;
-                return Some(row + 8 * i + first);
+        let word = |flags: &[bool]| u64::from_le_bytes(std::array::from_fn(|b| u8::from(flags[b])));
+        let (settled, takes) = (self.ends.settled.get(row..)?, &self.ends.takes[row..]);
+        let taking_word = if taking { ALL } else { 0 };
+        let mut words = settled.chunks_exact(8).zip(takes.chunks_exact(8));
+        for (i, (settled, takes)) in words.by_ref().enumerate() {
+            let visits = (!word(settled) | word(takes) & taking_word) & ALL;
+            if visits != 0 {
+                return Some(row + 8 * i + visits.trailing_zeros() as usize / 8);
             }
         }
-        let tail = words.remainder();
-        let first = tail.iter().position(|&settled| !settled)?;
-        Some(row + rest.len() - tail.len() + first)
+        let done = settled.len() / 8 * 8;
+        let mut tail = settled[done..].iter().zip(&takes[done..]);
+        let first = tail.position(|(&settled, &takes)| !settled | takes & taking)?;
+        Some(row + done + first)
+    }
+
+    /// Whether [`Batch::settle`] found row `row` settled in this step.
+    pub(crate) fn is_settled(&self, row: usize) -> bool {
+        self.ends.settled[row]
+    }
+
+    /// Whether row `row`, settled in this step, registers a block (its length is its `below`:
+    /// see [`RowEnds::below`]).
+    pub(crate) fn registers(&self, row: usize) -> bool {
+        self.ends.len[row] == self.ends.below[row]
     }
 
     /// Records, after a step synced row `row`, that its sequence decodes as settled while
-    /// shorter than `settled_below` (0: it does not).
+    /// shorter than `settled_below` (0: it does not), and at that length as one that
+    /// registers a block unless it is [`NO_REGISTRATION`].
     #[inline(always)]
     pub(crate) fn record_row(&mut self, row: usize, settled_below: usize) {
         self.ends.below[row] = settled_below as u32;
@@ -887,20 +911,24 @@ mod tests {
         assert!(batch.updates().full);
     }
 
-    /// The word-at-a-time scan for the next unsettled row finds what a row-by-row scan does,
+    /// The word-at-a-time scan for the next row to visit finds what a row-by-row scan does,
     /// from every start, with the rows' flags in thousands of patterns, of up to 19 rows.
     #[test]
-    fn the_next_unsettled_row_is_found_a_word_at_a_time() {
+    fn the_next_row_to_visit_is_found_a_word_at_a_time() {
         for n in 0..20usize {
             let seqs: Vec<SeqId> = (0..n as SeqId).collect();
             let mut batch = batch_of(&seqs, 1);
-            for pattern in (0..1u32 << n.min(12)).map(|p| p.wrapping_mul(2_654_435_761) >> 7) {
-                for (row, settled) in batch.ends.settled.iter_mut().enumerate() {
-                    *settled = pattern >> (row % 25) & 1 == 1;
+            for pattern in (0..1u64 << n.min(12)).map(|p| p.wrapping_mul(0x9E37_79B9_7F4A_7C15)) {
+                for row in 0..n {
+                    batch.ends.settled[row] = pattern >> (2 * row) & 1 == 1;
+                    batch.ends.takes[row] = pattern >> (2 * row + 1) & 1 == 1;
                 }
-                for from in 0..=n + 1 {
-                    let expected = (from..n).find(|&row| !batch.ends.settled[row]);
-                    assert_eq!(batch.unsettled_from(from), expected, "{n} rows from {from}");
+                for (from, taking) in (0..=n + 1).flat_map(|from| [(from, false), (from, true)]) {
+                    let ends = &batch.ends;
+                    let visits = |row: usize| !ends.settled[row] | ends.takes[row] & taking;
+                    let expected = (from..n).find(|&row| visits(row));
+                    let found = batch.to_visit_from(from, taking);
+                    assert_eq!(found, expected, "{n} rows from {from}, taking {taking}");
                 }
             }
         }

@@ -2,7 +2,7 @@
 //! same for a persistent [`Batch`]) and `plan` (any batch), with the copy-on-write of a shared
 //! last block.
 
-use crate::batch::{Appends, Batch, RowPass};
+use crate::batch::{Appends, Batch, RowPass, NO_REGISTRATION};
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::hash_lanes::{self, LANES, LANE_TOKENS};
@@ -88,9 +88,23 @@ impl BlockManager {
         let mut appends = rows.settle(untouched, self.bs);
         // Pages of the rows checked in full (a list's plan reserves its CSR for them).
         let (mut needed, mut copying, mut nnz) = (0, false, 0);
-        let mut next = rows.unsettled_from(0);
+        // A settled row whose token takes a block may register one, with prefix caching on.
+        let registering = self.prefix.is_some() && self.config.auto_commit;
+        let mut next = rows.to_visit_from(0, registering);
         while let Some(row) = next {
-            next = rows.unsettled_from(row + 1);
+            next = rows.to_visit_from(row + 1, registering);
+            if rows.is_settled(row) {
+                // Settled, and takes a block: only the block its commit may register to
+                // prepare.
+                if rows.registers(row) {
+                    let member = rows.member(row);
+                    self.prepare_commit(batch.at(member), member, to_hash.as_mut());
+                    if let Some(pending) = to_hash.as_mut().filter(|p| p.n == LANES) {
+                        self.hash_together(&mut batch, pending);
+                    }
+                }
+                continue;
+            }
             let s = rows.visit(&mut batch, row, stamp)?;
             decodable(rows.id(row), s)?;
             self.prepare_commit(s, rows.member(row), to_hash.as_mut());
@@ -144,7 +158,12 @@ impl BlockManager {
                     continue;
                 }
                 debug_assert_eq!(full, self.bs.offset(s.tokens.len()) == 0);
-                computed += append_settled(s, token, auto_commit);
+                computed += commit_settled(s, auto_commit);
+                if full && registering && rows.registers(row) {
+                    self.register_settled(s);
+                    rows.record_row(row, self.settled_below(s));
+                }
+                push_settled(s, token);
                 if full {
                     let block = self.take(&mut takes);
                     s.table.push(block);
@@ -169,18 +188,31 @@ impl BlockManager {
 
     /// The length below which `s`, just stepped (all tokens planned), decodes as settled while
     /// nothing else touches it: with no check but its length, since it has room for a token
-    /// and no block for a step's auto-commit to register. 0 unless it is quiet.
+    /// and no block for a step's auto-commit to register. At exactly that length, unless it
+    /// is [`NO_REGISTRATION`], it decodes as settled too, its auto-commit registering its next
+    /// block ([`BlockManager::register_settled`]). 0 unless it is quiet.
     fn settled_below(&self, s: &Sequence) -> usize {
         if !s.is_quiet() {
             return 0;
         }
         if self.prefix.is_some() && self.config.auto_commit {
-            // The auto-commit of a step at length `len` registers block `len / block_size`
-            // once it is full.
-            MAX_TOKENS.min((s.registered + 1) * self.bs.get())
+            // The auto-commit of a step at length `(registered + 1) * block_size` registers
+            // block `registered`, then full.
+            NO_REGISTRATION.min((s.registered + 1) * self.bs.get())
         } else {
-            MAX_TOKENS
+            NO_REGISTRATION
         }
+    }
+
+    /// The registration of a settled sequence's next block by its step's auto-commit (already
+    /// counted: [`commit_settled`]), the block hashed in the step's first pass.
+    fn register_settled(&self, s: &mut Sequence) {
+        debug_assert_eq!(self.bs.index(s.computed), s.registered + 1);
+        debug_assert!(
+            s.hashes.len() > s.registered,
+            "the first pass hashed the block"
+        );
+        self.register_full(s, s.registered + 1);
     }
 
     /// The second pass of a row checked in full: its auto-commit, its append and its inputs.
@@ -396,22 +428,30 @@ impl BlockManager {
     }
 }
 
-/// The auto-commit and the append of a settled sequence (see
-/// [`BlockManager::settled_below`]), which read only what they write: the commit completes no
-/// copy and registers no block, and the append copies no tail. Marks its tokens planned (it
-/// hands over no copies); returns the tokens that became computed. A block the token needs
-/// is the caller's to add.
+// A settled row's length is below its `below`, or equal to one that is not the limit of tokens:
+// either way, it has room for a decode token.
+const _: () = assert!(NO_REGISTRATION == MAX_TOKENS);
+
+/// The auto-commit of a settled sequence (see [`BlockManager::settled_below`]), which reads
+/// only what it writes: it completes no copy, and the one block it may register is the
+/// caller's ([`BlockManager::register_settled`]). Returns the tokens that became computed.
 #[inline(always)]
-fn append_settled(s: &mut Sequence, token: Token, auto_commit: bool) -> u64 {
+fn commit_settled(s: &mut Sequence, auto_commit: bool) -> u64 {
     debug_assert!(s.is_quiet() && s.planned == s.tokens.len());
     let mut computed = 0;
     if auto_commit {
         computed = (s.planned - s.computed) as u64;
         s.computed = s.planned;
     }
+    computed
+}
+
+/// The append of a settled sequence, which copies no tail: marks its tokens planned (it hands
+/// over no copies). A block the token needs is the caller's to add.
+#[inline(always)]
+fn push_settled(s: &mut Sequence, token: Token) {
     s.tokens.push(token);
     s.planned = s.tokens.len();
-    computed
 }
 
 /// Blocks a decode step's first pass queued to hash together: each the one block its
@@ -503,8 +543,16 @@ trait DecodeRows {
     fn take_pass(&mut self) -> RowPass;
     /// Puts back what [`DecodeRows::take_pass`] moved out.
     fn restore_pass(&mut self, pass: RowPass);
-    /// The first row from `row` on that is not settled.
-    fn unsettled_from(&self, row: usize) -> Option<usize>;
+    /// The first row from `row` on that the first pass visits: not settled or, with `taking`,
+    /// settled and taking a block (it may register one).
+    fn to_visit_from(&self, row: usize, taking: bool) -> Option<usize>;
+    /// Whether [`DecodeRows::settle`] found row `row` settled in this step.
+    fn is_settled(&self, row: usize) -> bool;
+    /// Whether row `row`, settled and taking a block in this step, registers one.
+    fn registers(&self, row: usize) -> bool;
+    /// Records that row `row`'s sequence decodes as settled below length `settled_below`
+    /// (and at it: [`BlockManager::settled_below`]) in later steps.
+    fn record_row(&mut self, row: usize, settled_below: usize);
     /// Makes room for rows of up to `pages` blocks, before anything changes.
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
     /// Starts the inputs: `nnz` pages in the rows checked in full (all of a list's).
@@ -512,8 +560,8 @@ trait DecodeRows {
     /// Adds row `row`'s inputs after its append, and hands over its copies; `s` decodes as
     /// settled below length `settled_below` in later steps.
     fn push(&mut self, row: usize, s: &mut Sequence, settled_below: usize, bs: BlockSize);
-    /// [`DecodeRows::push`] of a settled row whose append ([`append_settled`]) took `block`
-    /// (no copies, still quiet); one that took none needs no push.
+    /// [`DecodeRows::push`] of a settled row whose append ([`push_settled`]) took `block` (no
+    /// copies, still quiet); one that took none needs no push.
     fn push_settled_block(&mut self, row: usize, block: BlockId);
     /// Completes the inputs once every row was pushed, and records the step's shards.
     fn finish(&mut self, batch: &LockedBatch<'_>, bs: BlockSize);
@@ -578,9 +626,16 @@ impl DecodeRows for Listed<'_> {
     fn restore_pass(&mut self, _pass: RowPass) {
         unreachable!("a list keeps nothing between steps, so its rows are all checked in full")
     }
-    fn unsettled_from(&self, row: usize) -> Option<usize> {
+    fn to_visit_from(&self, row: usize, _taking: bool) -> Option<usize> {
         (row < self.seqs.len()).then_some(row)
     }
+    fn is_settled(&self, _row: usize) -> bool {
+        false
+    }
+    fn registers(&self, _row: usize) -> bool {
+        false
+    }
+    fn record_row(&mut self, _row: usize, _settled_below: usize) {}
     fn fit(&mut self, _pages: usize) -> Result<(), Error> {
         Ok(())
     }
@@ -628,8 +683,17 @@ impl DecodeRows for Batch {
         Batch::restore_pass(self, pass)
     }
     #[inline(always)]
-    fn unsettled_from(&self, row: usize) -> Option<usize> {
-        Batch::unsettled_from(self, row)
+    fn to_visit_from(&self, row: usize, taking: bool) -> Option<usize> {
+        Batch::to_visit_from(self, row, taking)
+    }
+    fn is_settled(&self, row: usize) -> bool {
+        Batch::is_settled(self, row)
+    }
+    fn registers(&self, row: usize) -> bool {
+        Batch::registers(self, row)
+    }
+    fn record_row(&mut self, row: usize, settled_below: usize) {
+        Batch::record_row(self, row, settled_below)
     }
     fn fit(&mut self, pages: usize) -> Result<(), Error> {
         Batch::fit(self, pages)
