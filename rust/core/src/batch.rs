@@ -72,9 +72,9 @@ struct RowEnds {
     last: Vec<BlockId>,
     /// The row's sequence decodes as settled while it is shorter than this (0: never; the
     /// last step left something in flight, or none stepped the row, so a row with more has
-    /// a member), and also at exactly this length, its step then registering one block,
-    /// unless it is 0 or [`NO_REGISTRATION`]. Set by the manager that stepped the row, from
-    /// the sequence's state and its own configuration.
+    /// a member). Set by the manager that stepped the row, from the sequence's state and its
+    /// own configuration: with prefix caching, one more than the length at which its step
+    /// registers its next block ([`Batch::registers`]).
     below: Vec<u32>,
     /// The bit of the row's sequence's shard (as `SequenceMap::lock_shards` takes them).
     shard: Vec<u32>,
@@ -86,10 +86,6 @@ struct RowEnds {
     /// A settled row that registers a block takes one: its length is a block boundary.
     takes: Vec<bool>,
 }
-
-/// The `below` of a row whose sequence registers no block as it decodes: the limit of tokens,
-/// which no sequence that can take a decode token has.
-pub(crate) const NO_REGISTRATION: usize = i32::MAX as usize;
 
 /// What a decode step's second pass reads of every row, moved out of the batch while that
 /// pass writes the rest ([`Batch::take_pass`]): the pass then reads it from locals, without a
@@ -143,8 +139,8 @@ impl RowEnds {
     }
 
     /// Flags the rows settled in a step that finds the shards `untouched` (those whose sequence
-    /// is shorter than their `below`, or as long if it registers a block there, and whose shard
-    /// is in it), and those of them that take a block; returns what their appends take (blocks of `bs` tokens). `AFTER_STEP`: at the
+    /// is shorter than their `below` and whose shard is in it), and those of them that take a
+    /// block; returns what their appends take (blocks of `bs` tokens). `AFTER_STEP`: at the
     /// end of a step, which first adds its token to the length of each row it flagged, for the
     /// next step if it finds every shard untouched (`untouched` is not read).
     fn flag_settled<const AFTER_STEP: bool>(&mut self, untouched: u32, bs: BlockSize) -> Appends {
@@ -211,9 +207,7 @@ fn flag_rows<const AFTER_STEP: bool>(
     for ((len, (settled, takes)), ((&pages, &below), &shard)) in flags.zip(ends) {
         let now = *len as i32 + i32::from(*settled & AFTER_STEP);
         *len = now as u32;
-        let below = below as i32;
-        let boundary = (now == below) & (below > 0) & (below != NO_REGISTRATION as i32);
-        *settled = ((now < below) | boundary) & (AFTER_STEP || shard & untouched != 0);
+        *settled = (now < below as i32) & (AFTER_STEP || shard & untouched != 0);
         let offset = if pow2 { now & mask } else { now % size };
         let fresh = i32::from(*settled & (offset == 0));
         *takes = fresh != 0;
@@ -489,8 +483,7 @@ impl Batch {
     /// Whether row `row` is settled in a step that found the shards `untouched`, by definition
     /// (what debug builds check [`Batch::settle`]'s flags against).
     fn settles(&self, row: usize, untouched: u32) -> bool {
-        let (len, below) = (self.ends.len[row], self.ends.below[row]);
-        (len < below || len == below && below > 0 && below as usize != NO_REGISTRATION)
+        self.ends.len[row] < self.ends.below[row]
             && self.members[row].is_some_and(|member| untouched & member.shard_bit() != 0)
     }
 
@@ -540,15 +533,16 @@ impl Batch {
         self.ends.settled[row]
     }
 
-    /// Whether row `row`, settled in this step, registers a block (its length is its `below`:
-    /// see [`RowEnds::below`]).
+    /// Whether row `row`, settled in this step and taking a block, may register one: its
+    /// length is one short of its `below`, where the manager records its sequence's next
+    /// registration (which the manager checks on the sequence: a `below` capped at the limit
+    /// of tokens is one short of no registration).
     pub(crate) fn registers(&self, row: usize) -> bool {
-        self.ends.len[row] == self.ends.below[row]
+        self.ends.len[row] + 1 == self.ends.below[row]
     }
 
     /// Records, after a step synced row `row`, that its sequence decodes as settled while
-    /// shorter than `settled_below` (0: it does not), and at that length as one that
-    /// registers a block unless it is [`NO_REGISTRATION`].
+    /// shorter than `settled_below` (0: it does not).
     #[inline(always)]
     pub(crate) fn record_row(&mut self, row: usize, settled_below: usize) {
         self.ends.below[row] = settled_below as u32;

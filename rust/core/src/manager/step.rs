@@ -2,7 +2,7 @@
 //! same for a persistent [`Batch`]) and `plan` (any batch), with the copy-on-write of a shared
 //! last block.
 
-use crate::batch::{Appends, Batch, RowPass, NO_REGISTRATION};
+use crate::batch::{Appends, Batch, RowPass};
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::hash_lanes::{self, LANES, LANE_TOKENS};
@@ -188,9 +188,8 @@ impl BlockManager {
 
     /// The length below which `s`, just stepped (all tokens planned), decodes as settled while
     /// nothing else touches it: with no check but its length, since it has room for a token
-    /// and no block for a step's auto-commit to register. At exactly that length, unless it
-    /// is [`NO_REGISTRATION`], it decodes as settled too, its auto-commit registering its next
-    /// block ([`BlockManager::register_settled`]). 0 unless it is quiet.
+    /// and at most one block for a step's auto-commit to register, at the last of those
+    /// lengths ([`BlockManager::register_settled`]). 0 unless it is quiet.
     fn settled_below(&self, s: &Sequence) -> usize {
         if !s.is_quiet() {
             return 0;
@@ -198,21 +197,17 @@ impl BlockManager {
         if self.prefix.is_some() && self.config.auto_commit {
             // The auto-commit of a step at length `(registered + 1) * block_size` registers
             // block `registered`, then full.
-            NO_REGISTRATION.min((s.registered + 1) * self.bs.get())
+            MAX_TOKENS.min((s.registered + 1) * self.bs.get() + 1)
         } else {
-            NO_REGISTRATION
+            MAX_TOKENS
         }
     }
 
-    /// The registration of a settled sequence's next block by its step's auto-commit (already
-    /// counted: [`commit_settled`]), the block hashed in the step's first pass.
+    /// The registration, by a settled sequence's auto-commit (already counted:
+    /// [`commit_settled`]), of the block it completed, if any: its block was hashed in the
+    /// step's first pass.
     fn register_settled(&self, s: &mut Sequence) {
-        debug_assert_eq!(self.bs.index(s.computed), s.registered + 1);
-        debug_assert!(
-            s.hashes.len() > s.registered,
-            "the first pass hashed the block"
-        );
-        self.register_full(s, s.registered + 1);
+        self.register_full(s, self.bs.index(s.computed));
     }
 
     /// The second pass of a row checked in full: its auto-commit, its append and its inputs.
@@ -427,10 +422,6 @@ impl BlockManager {
         self.gpu.add_stored(fill as usize);
     }
 }
-
-// A settled row's length is below its `below`, or equal to one that is not the limit of tokens:
-// either way, it has room for a decode token.
-const _: () = assert!(NO_REGISTRATION == MAX_TOKENS);
 
 /// The auto-commit of a settled sequence (see [`BlockManager::settled_below`]), which reads
 /// only what it writes: it completes no copy, and the one block it may register is the
