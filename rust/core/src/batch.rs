@@ -74,7 +74,7 @@ struct RowEnds {
     /// last step left something in flight, or none stepped the row, so a row with more has
     /// a member). Set by the manager that stepped the row, from the sequence's state and its
     /// own configuration: with prefix caching, one more than the length at which its step
-    /// registers its next block ([`Batch::registers`]).
+    /// registers its next block ([`Batch::may_register`]).
     below: Vec<u32>,
     /// The bit of the row's sequence's shard (as `SequenceMap::lock_shards` takes them).
     shard: Vec<u32>,
@@ -90,7 +90,7 @@ struct RowEnds {
 /// What a decode step's second pass reads of every row, moved out of the batch while that
 /// pass writes the rest ([`Batch::take_pass`]): the pass then reads it from locals, without a
 /// bounds check, rather than through the batch again after each store to a sequence.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RowPass {
     pub(crate) members: Vec<Option<Member>>,
     pub(crate) settled: Vec<bool>,
@@ -537,7 +537,7 @@ impl Batch {
     /// length is one short of its `below`, where the manager records its sequence's next
     /// registration (which the manager checks on the sequence: a `below` capped at the limit
     /// of tokens is one short of no registration).
-    pub(crate) fn registers(&self, row: usize) -> bool {
+    pub(crate) fn may_register(&self, row: usize) -> bool {
         self.ends.len[row] + 1 == self.ends.below[row]
     }
 

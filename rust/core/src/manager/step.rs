@@ -96,7 +96,7 @@ impl BlockManager {
             if rows.is_settled(row) {
                 // Settled, and takes a block: only the block its commit may register to
                 // prepare.
-                if rows.registers(row) {
+                if rows.may_register(row) {
                     let member = rows.member(row);
                     self.prepare_commit(batch.at(member), member, to_hash.as_mut());
                     if let Some(pending) = to_hash.as_mut().filter(|p| p.n == LANES) {
@@ -159,7 +159,7 @@ impl BlockManager {
                 }
                 debug_assert_eq!(full, self.bs.offset(s.tokens.len()) == 0);
                 computed += commit_settled(s, auto_commit);
-                if full && registering && rows.registers(row) {
+                if full && registering && rows.may_register(row) {
                     self.register_settled(s);
                     rows.record_row(row, self.settled_below(s));
                 }
@@ -539,8 +539,9 @@ trait DecodeRows {
     fn to_visit_from(&self, row: usize, taking: bool) -> Option<usize>;
     /// Whether [`DecodeRows::settle`] found row `row` settled in this step.
     fn is_settled(&self, row: usize) -> bool;
-    /// Whether row `row`, settled and taking a block in this step, registers one.
-    fn registers(&self, row: usize) -> bool;
+    /// Whether row `row`, settled and taking a block in this step, may register one (the
+    /// sequence decides: [`BlockManager::register_settled`]).
+    fn may_register(&self, row: usize) -> bool;
     /// Records that row `row`'s sequence decodes as settled below length `settled_below`
     /// (and at it: [`BlockManager::settled_below`]) in later steps.
     fn record_row(&mut self, row: usize, settled_below: usize);
@@ -623,7 +624,7 @@ impl DecodeRows for Listed<'_> {
     fn is_settled(&self, _row: usize) -> bool {
         false
     }
-    fn registers(&self, _row: usize) -> bool {
+    fn may_register(&self, _row: usize) -> bool {
         false
     }
     fn record_row(&mut self, _row: usize, _settled_below: usize) {}
@@ -680,8 +681,8 @@ impl DecodeRows for Batch {
     fn is_settled(&self, row: usize) -> bool {
         Batch::is_settled(self, row)
     }
-    fn registers(&self, row: usize) -> bool {
-        Batch::registers(self, row)
+    fn may_register(&self, row: usize) -> bool {
+        Batch::may_register(self, row)
     }
     fn record_row(&mut self, row: usize, settled_below: usize) {
         Batch::record_row(self, row, settled_below)
