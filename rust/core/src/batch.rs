@@ -97,6 +97,36 @@ pub(crate) struct RowPass {
     pub(crate) takes: Vec<bool>,
 }
 
+impl RowPass {
+    /// The first row from `row` on that the second pass checks in full or that takes a block.
+    #[inline(always)]
+    pub(crate) fn next_to_check(&self, row: usize) -> Option<usize> {
+        first_flagged(&self.settled, &self.takes, row, true)
+    }
+}
+
+/// The first row from `row` on not `settled` or, with `taking`, whose token `takes` a block.
+/// Eight rows a word: a batch of settled rows is scanned in a few dozen instructions, not a few
+/// for each row.
+#[inline(always)]
+fn first_flagged(settled: &[bool], takes: &[bool], row: usize, taking: bool) -> Option<usize> {
+    const ALL: u64 = u64::from_le_bytes([1; 8]);
+    let word = |flags: &[bool]| u64::from_le_bytes(std::array::from_fn(|b| u8::from(flags[b])));
+    let (settled, takes) = (settled.get(row..)?, &takes[row..]);
+    let taking_word = if taking { ALL } else { 0 };
+    let mut words = settled.chunks_exact(8).zip(takes.chunks_exact(8));
+    for (i, (settled, takes)) in words.by_ref().enumerate() {
+        let visits = (!word(settled) | word(takes) & taking_word) & ALL;
+        if visits != 0 {
+            return Some(row + 8 * i + visits.trailing_zeros() as usize / 8);
+        }
+    }
+    let done = settled.len() / 8 * 8;
+    let mut tail = settled[done..].iter().zip(&takes[done..]);
+    let first = tail.position(|(&settled, &takes)| !settled | takes & taking)?;
+    Some(row + done + first)
+}
+
 impl RowEnds {
     fn push(&mut self, shard: u32) {
         self.len.push(0);
@@ -507,25 +537,10 @@ impl Batch {
 
     /// The first row from `row` on that a step's first pass visits: one [`Batch::settle`] did
     /// not find settled or, with `taking`, a settled one whose token takes a block (it may
-    /// register one). Eight rows a word: a batch of settled rows is scanned in a few dozen
-    /// instructions, not a few for each row.
+    /// register one).
     #[inline(always)]
     pub(crate) fn to_visit_from(&self, row: usize, taking: bool) -> Option<usize> {
-        const ALL: u64 = u64::from_le_bytes([1; 8]);
-        let word = |flags: &[bool]| u64::from_le_bytes(std::array::from_fn(|b| u8::from(flags[b])));
-        let (settled, takes) = (self.ends.settled.get(row..)?, &self.ends.takes[row..]);
-        let taking_word = if taking { ALL } else { 0 };
-        let mut words = settled.chunks_exact(8).zip(takes.chunks_exact(8));
-        for (i, (settled, takes)) in words.by_ref().enumerate() {
-            let visits = (!word(settled) | word(takes) & taking_word) & ALL;
-            if visits != 0 {
-                return Some(row + 8 * i + visits.trailing_zeros() as usize / 8);
-            }
-        }
-        let done = settled.len() / 8 * 8;
-        let mut tail = settled[done..].iter().zip(&takes[done..]);
-        let first = tail.position(|(&settled, &takes)| !settled | takes & taking)?;
-        Some(row + done + first)
+        first_flagged(&self.ends.settled, &self.ends.takes, row, taking)
     }
 
     /// Whether [`Batch::settle`] found row `row` settled in this step.

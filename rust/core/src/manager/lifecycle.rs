@@ -5,10 +5,10 @@
 use crate::error::invalid;
 use crate::events::EventKind;
 use crate::manager::{one_each, visit, BlockManager};
-use crate::prefix::{block_hash_of, PrefixCache};
+use crate::prefix::{block_hash_of, Chain, MapKey, PrefixCache};
 use crate::sequence::Sequence;
 use crate::stats::Counters;
-use crate::{Error, PoolKind, SeqId};
+use crate::{BlockId, Error, PoolKind, SeqId, Token};
 
 /// How far ahead of a run of registrations their lines are prefetched.
 const REGISTRATIONS_AHEAD: usize = 4;
@@ -190,19 +190,47 @@ impl BlockManager {
         let run = blocks.iter().zip(keys).zip(chains).zip(tokens);
         for (j, (((&block, &key), chain), tokens)) in run.enumerate() {
             prefetch(j + REGISTRATIONS_AHEAD);
-            prefix.register(block, key, parent, chain, tokens, || {
-                self.gpu.mark_hashed(block);
-                self.events.record(|| EventKind::BlockStored {
-                    block_hash: block_hash_of(chain),
-                    parent_hash: s.parent_hash(from + j),
-                    token_ids: tokens.to_vec(),
-                    block_id: block,
-                    medium: PoolKind::Gpu,
-                });
-            });
+            self.register_block(prefix, s, from + j, [key, parent], (block, chain, tokens));
             parent = key;
         }
         s.registered = upto;
+    }
+
+    /// Registers the sequence's next full block, computed and hashed: a decode step's
+    /// registration, whose lines its first pass prefetched.
+    pub(super) fn register_next(&self, s: &mut Sequence) {
+        let Some(prefix) = &self.prefix else {
+            return;
+        };
+        let (i, bs) = (s.registered, self.bs.get());
+        debug_assert!(i < self.bs.index(s.computed) && i < s.hashes.len());
+        let tokens = &s.tokens[i * bs..(i + 1) * bs];
+        let keys = [s.keys[i], s.parent_key(i)];
+        self.register_block(prefix, s, i, keys, (s.table[i], &s.hashes[i], tokens));
+        s.registered = i + 1;
+    }
+
+    /// Registers `s`'s full block `i`, `block` of `chain` and `tokens`, under its key and its
+    /// parent's (`[key, parent]`), and publishes it if it was not registered yet.
+    #[inline(always)]
+    fn register_block(
+        &self,
+        prefix: &PrefixCache,
+        s: &Sequence,
+        i: usize,
+        [key, parent]: [MapKey; 2],
+        (block, chain, tokens): (BlockId, &Chain, &[Token]),
+    ) {
+        prefix.register(block, key, parent, chain, tokens, || {
+            self.gpu.mark_hashed(block);
+            self.events.record(|| EventKind::BlockStored {
+                block_hash: block_hash_of(chain),
+                parent_hash: s.parent_hash(i),
+                token_ids: tokens.to_vec(),
+                block_id: block,
+                medium: PoolKind::Gpu,
+            });
+        });
     }
 }
 

@@ -12,7 +12,7 @@ use crate::manager::{
 };
 use crate::plan::Plan;
 use crate::prefix::{Chain, PrefixCache};
-use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap};
+use crate::sequence::{LockedBatch, Member, PendingCopy, Sequence, SequenceMap, Slots};
 use crate::stats::Counters;
 use crate::sync::prefetch_write;
 use crate::{BlockId, Error, SeqId, Token};
@@ -149,26 +149,37 @@ impl BlockManager {
             // checked) after every store to a sequence.
             let auto_commit = self.config.auto_commit;
             let pass = rows.take_pass();
-            let members = tokens.iter().zip(&pass.members);
-            let flags = pass.settled.iter().zip(&pass.takes);
-            for (row, ((&token, member), (&settled, &full))) in members.zip(flags).enumerate() {
-                let s = slots.at(member.expect("a settled row's last step, or this one, found it"));
-                if !settled {
+            let mut row = 0;
+            loop {
+                // The settled rows up to the next row to check in full or taking a block need
+                // only their token: a loop that reads no flag.
+                let end = pass.next_to_check(row).unwrap_or(n);
+                let run = (&tokens[row..end], &pass.members[row..end]);
+                computed += if auto_commit {
+                    append_settled::<true>(&mut slots, run)
+                } else {
+                    append_settled::<false>(&mut slots, run)
+                };
+                let Some((&token, member)) = tokens.get(end).zip(pass.members.get(end)) else {
+                    break;
+                };
+                row = end;
+                let s = slots.at(found(member));
+                if !pass.settled[row] {
                     computed += self.append_checked(rows, row, s, token, &mut takes);
-                    continue;
-                }
-                debug_assert_eq!(full, self.bs.offset(s.tokens.len()) == 0);
-                computed += commit_settled(s, auto_commit);
-                if full && registering && rows.may_register(row) {
-                    self.register_settled(s);
-                    rows.record_row(row, self.settled_below(s));
-                }
-                push_settled(s, token);
-                if full {
+                } else {
+                    debug_assert_eq!(self.bs.offset(s.tokens.len()), 0);
+                    computed += commit_settled(s, auto_commit);
+                    if registering && rows.may_register(row) {
+                        self.register_settled(s);
+                        rows.record_row(row, self.settled_below(s));
+                    }
+                    push_settled(s, token);
                     let block = self.take(&mut takes);
                     s.table.push(block);
                     rows.push_settled_block(row, block);
                 }
+                row += 1;
             }
             rows.restore_pass(pass);
         } else {
@@ -207,7 +218,9 @@ impl BlockManager {
     /// [`commit_settled`]), of the block it completed, if any: its block was hashed in the
     /// step's first pass.
     fn register_settled(&self, s: &mut Sequence) {
-        self.register_full(s, self.bs.index(s.computed));
+        if self.bs.index(s.computed) > s.registered {
+            self.register_next(s);
+        }
     }
 
     /// The second pass of a row checked in full: its auto-commit, its append and its inputs.
@@ -433,6 +446,30 @@ fn commit_settled(s: &mut Sequence, auto_commit: bool) -> u64 {
     if auto_commit {
         computed = (s.planned - s.computed) as u64;
         s.computed = s.planned;
+    }
+    computed
+}
+
+/// Where a settled row's sequence is: its last step, or this one, found it.
+#[inline(always)]
+fn found(member: &Option<Member>) -> Member {
+    member.expect("a settled row's last step, or this one, found it")
+}
+
+/// The auto-commit ([`commit_settled`]) and append ([`push_settled`]) of each settled row of a
+/// run whose tokens take no block: `(tokens, members)` of its rows. Returns the tokens that
+/// became computed. Out of line: inlined in the step, the loop would share its registers and
+/// keep its sum and bounds on the stack.
+#[inline(never)]
+fn append_settled<const AUTO_COMMIT: bool>(
+    slots: &mut Slots<'_>,
+    (tokens, members): (&[Token], &[Option<Member>]),
+) -> u64 {
+    let mut computed = 0;
+    for (&token, member) in tokens.iter().zip(members) {
+        let s = slots.at(found(member));
+        computed += commit_settled(s, AUTO_COMMIT);
+        push_settled(s, token);
     }
     computed
 }
