@@ -5,7 +5,7 @@
 use crate::error::invalid;
 use crate::events::EventKind;
 use crate::manager::{one_each, visit, BlockManager};
-use crate::prefix::{block_hash_of, Chain, MapKey, PrefixCache};
+use crate::prefix::{block_hash_of, Chain, PrefixCache};
 use crate::sequence::Sequence;
 use crate::stats::Counters;
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
@@ -190,7 +190,9 @@ impl BlockManager {
         let run = blocks.iter().zip(keys).zip(chains).zip(tokens);
         for (j, (((&block, &key), chain), tokens)) in run.enumerate() {
             prefetch(j + REGISTRATIONS_AHEAD);
-            self.register_block(prefix, s, from + j, [key, parent], (block, chain, tokens));
+            prefix.register(block, key, parent, chain, tokens, || {
+                self.publish(s, from + j, block, chain, tokens);
+            });
             parent = key;
         }
         s.registered = upto;
@@ -204,32 +206,24 @@ impl BlockManager {
         };
         let (i, bs) = (s.registered, self.bs.get());
         debug_assert!(i < self.bs.index(s.computed) && i < s.hashes.len());
-        let tokens = &s.tokens[i * bs..(i + 1) * bs];
-        let keys = [s.keys[i], s.parent_key(i)];
-        self.register_block(prefix, s, i, keys, (s.table[i], &s.hashes[i], tokens));
+        let (block, chain, tokens) = (s.table[i], &s.hashes[i], &s.tokens[i * bs..(i + 1) * bs]);
+        prefix.register(block, s.keys[i], s.parent_key(i), chain, tokens, || {
+            self.publish(s, i, block, chain, tokens);
+        });
         s.registered = i + 1;
     }
 
-    /// Registers `s`'s full block `i`, `block` of `chain` and `tokens`, under its key and its
-    /// parent's (`[key, parent]`), and publishes it if it was not registered yet.
+    /// Publishes `s`'s full block `i` (`block`, of `chain` and `tokens`) once its registration
+    /// is written: flags it hashed and records its stored event.
     #[inline(always)]
-    fn register_block(
-        &self,
-        prefix: &PrefixCache,
-        s: &Sequence,
-        i: usize,
-        [key, parent]: [MapKey; 2],
-        (block, chain, tokens): (BlockId, &Chain, &[Token]),
-    ) {
-        prefix.register(block, key, parent, chain, tokens, || {
-            self.gpu.mark_hashed(block);
-            self.events.record(|| EventKind::BlockStored {
-                block_hash: block_hash_of(chain),
-                parent_hash: s.parent_hash(i),
-                token_ids: tokens.to_vec(),
-                block_id: block,
-                medium: PoolKind::Gpu,
-            });
+    fn publish(&self, s: &Sequence, i: usize, block: BlockId, chain: &Chain, tokens: &[Token]) {
+        self.gpu.mark_hashed(block);
+        self.events.record(|| EventKind::BlockStored {
+            block_hash: block_hash_of(chain),
+            parent_hash: s.parent_hash(i),
+            token_ids: tokens.to_vec(),
+            block_id: block,
+            medium: PoolKind::Gpu,
         });
     }
 }
