@@ -94,6 +94,25 @@ fn token_pair(pair: &[Token]) -> u64 {
     u64::from(pair[0]) | u64::from(pair[1]) << 32
 }
 
+/// Writes a block's `tokens` into its registration's `stored` words ([`token_pair`]); a block
+/// of the usual 16 tokens in eight stores, without a loop.
+#[inline(always)]
+fn store_tokens(stored: &[AtomicU64], tokens: &[Token]) {
+    let store = |stored: &[AtomicU64], tokens: &[Token]| {
+        let pairs = tokens.chunks_exact(2);
+        for (slot, pair) in stored.iter().zip(pairs.clone()) {
+            slot.store(token_pair(pair), Ordering::Relaxed);
+        }
+        if let [last] = pairs.remainder() {
+            stored[tokens.len() / 2].store(u64::from(*last), Ordering::Relaxed);
+        }
+    };
+    match (stored.first_chunk::<8>(), tokens.first_chunk::<16>()) {
+        (Some(words), Some(sixteen)) if tokens.len() == 16 => store(words, sixteen),
+        _ => store(stored, tokens),
+    }
+}
+
 /// The map key before block 0: the second half of the BLAKE3 root, so it binds the key and the
 /// salt and is never a published hash.
 pub(crate) fn root_key(root: &Chain) -> MapKey {
@@ -424,16 +443,22 @@ impl PrefixCache {
     #[inline]
     pub(crate) fn prefetch_registration(&self, block: BlockId, key: MapKey) {
         self.map.prefetch(key);
-        let (head, tokens) = self.registration(block);
-        prefetch_write(head);
-        for line in tokens.chunks(LINE_WORDS) {
-            prefetch_write(&line[0]);
+        let start = self.registration_at(block);
+        for line in 0..self.stride / LINE_WORDS {
+            prefetch_write(start.wrapping_add(line * LINE_WORDS));
         }
     }
 
     /// Starts fetching the registration an eviction of `block` reads.
     pub(crate) fn prefetch_key(&self, block: BlockId) {
-        prefetch_write(self.registration(block).0);
+        prefetch_write(self.registration_at(block));
+    }
+
+    /// Where `block`'s registration starts, for a prefetch: computed, not bounds checked (the
+    /// hint reads nothing).
+    fn registration_at(&self, block: BlockId) -> *const AtomicU64 {
+        let start = self.first + block as usize * self.stride;
+        self.words.as_ptr().wrapping_add(start)
     }
 
     /// Starts fetching the map slot an eviction of `block` probes first (reads its key).
@@ -486,13 +511,7 @@ impl PrefixCache {
         for (slot, value) in head.iter().zip(values) {
             slot.store(value, Ordering::Relaxed);
         }
-        let pairs = tokens.chunks_exact(2);
-        for (slot, pair) in stored.iter().zip(pairs.clone()) {
-            slot.store(token_pair(pair), Ordering::Relaxed);
-        }
-        if let [last] = pairs.remainder() {
-            stored[tokens.len() / 2].store(u64::from(*last), Ordering::Relaxed);
-        }
+        store_tokens(stored, tokens);
         publish();
         region.fill(vacancy, block);
     }
@@ -596,6 +615,28 @@ mod tests {
             bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
             let expected = xxh3_128_with_secret(&bytes, &c.secret);
             assert_eq!(c.key_block(parent, &tokens), expected, "{len} tokens");
+        }
+    }
+
+    /// A registration stores every token of its block (the usual 16 without a loop, any other
+    /// size pairwise): each one verifies, and changing any one fails.
+    #[test]
+    fn registrations_store_every_token() {
+        for bs in [1, 3, 15, 16, 17, 32] {
+            let c = PrefixCache::new([0; 32], 2, bs).unwrap();
+            let tokens: Vec<Token> = (0..bs as Token).map(|t| t * 7 + 1).collect();
+            let chain = c.hash_block(&c.root(None), &tokens);
+            let k = c.key_block(root_key(&c.root(None)), &tokens);
+            c.register(1, k, 5, &chain, &tokens, || {});
+            assert!(c.matches(1, k, 5, &tokens), "{bs} tokens");
+            for i in 0..tokens.len() {
+                let mut other = tokens.clone();
+                other[i] += 1;
+                assert!(
+                    !c.matches(1, k, 5, &other),
+                    "{bs} tokens, token {i} changed"
+                );
+            }
         }
     }
 
