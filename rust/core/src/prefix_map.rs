@@ -188,6 +188,7 @@ impl Region<'_> {
 
     /// Unmaps `key` if it maps to `block`; says whether it did. The entries after it move back
     /// to where a probe still finds them.
+    #[inline]
     pub(crate) fn remove(&mut self, key: MapKey, block: BlockId) -> bool {
         let map = self.map;
         if map.region_of(key) != self.region {

@@ -291,15 +291,6 @@ impl BlockManager {
         let Some(prefix) = &self.prefix else {
             return;
         };
-        for (parent, &member) in pending
-            .parents
-            .iter_mut()
-            .zip(&pending.members)
-            .take(pending.n)
-        {
-            let s = batch.at(member);
-            *parent = s.parent_chain(s.hashes.len());
-        }
         let chains = hash_lanes::chains(&pending.parents, &pending.blocks, pending.n);
         let queued = pending.members.iter().zip(&pending.blocks).zip(chains);
         for ((&member, block), chain) in queued.take(pending.n) {
@@ -493,14 +484,14 @@ struct ToHash {
 }
 
 impl ToHash {
-    /// Queues the next block to hash of `s`, the batch's `member` (at most [`LANES`] queued).
-    /// Its parent's chaining value and key are only prefetched here: they are read when the
-    /// queue is hashed ([`BlockManager::hash_together`]).
+    /// Queues the next block to hash of `s`, the batch's `member` (at most [`LANES`] queued),
+    /// with its parent's chaining value. Its parent's key is only prefetched here: it is read
+    /// when the queue is hashed ([`BlockManager::hash_together`]).
     fn push(&mut self, member: Member, s: &Sequence) {
         let i = s.hashes.len();
         self.members[self.n] = member;
-        if let (Some(chain), Some(key)) = (s.hashes.last(), s.keys.last()) {
-            prefetch_write(chain);
+        self.parents[self.n] = s.parent_chain(i);
+        if let Some(key) = s.keys.last() {
             prefetch_write(key);
         }
         self.blocks[self.n].copy_from_slice(&s.tokens[i * LANE_TOKENS..(i + 1) * LANE_TOKENS]);
