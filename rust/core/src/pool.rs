@@ -305,7 +305,7 @@ impl BlockPool {
 
     /// Starts fetching `block`'s state word for writing.
     pub(crate) fn prefetch_state(&self, block: BlockId) {
-        prefetch_write(&self.states[block as usize]);
+        prefetch_write(self.states.as_ptr().wrapping_add(block as usize));
     }
 
     /// Marks a held block, not hashed yet, as registered in the prefix cache.

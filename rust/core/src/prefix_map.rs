@@ -89,7 +89,7 @@ impl PrefixMap {
 
     /// Starts fetching the line of `key`'s home slot, for a registration or removal to come.
     pub(crate) fn prefetch(&self, key: MapKey) {
-        prefetch_write(&self.slots[self.home(key)]);
+        prefetch_write(self.slots.as_ptr().wrapping_add(self.home(key)));
     }
 
     /// The first block on `key`'s probe with `key`'s fingerprint, without a lock: only a
