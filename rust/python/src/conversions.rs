@@ -120,13 +120,14 @@ pub(crate) fn integers<T: Id>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Ve
         macro_rules! read_as {
             ($($t:ty),*) => {$(
                 if array.dtype().is_equiv_to(&numpy::dtype::<$t>(obj.py())) {
-                    let typed = array.downcast::<PyArray1<$t>>()?.readonly();
-                    let values = typed.as_array();
-                    // A contiguous array (the usual case) is read as a slice, which the
-                    // compiler vectorizes; a strided view element by element.
-                    return match values.as_slice() {
-                        Some(slice) => narrow_all(slice, |&v: &$t| v as i128),
-                        None => narrow_all(&values, |&v: &$t| v as i128),
+                    let typed = array.downcast::<PyArray1<$t>>()?;
+                    // A contiguous array (the usual case) is copied out at once, under the GIL
+                    // and without numpy's borrow tracking (a lookup and an update of a shared
+                    // table, each way), then narrowed in a loop the compiler vectorizes; a
+                    // strided view is borrowed and read element by element.
+                    return match typed.to_vec() {
+                        Ok(values) => narrow_all(&values, |&v: &$t| v as i128),
+                        Err(_) => narrow_all(&typed.readonly().as_array(), |&v: &$t| v as i128),
                     }
                     .map_err(out_of_range);
                 }
