@@ -155,10 +155,16 @@ impl BlockManager {
                 // only their token: a loop that reads no flag.
                 let end = pass.next_to_check(row).unwrap_or(n);
                 let run = (&tokens[row..end], &pass.members[row..end]);
+                debug_assert!(
+                    run.1
+                        .iter()
+                        .all(|member| self.bs.offset(slots.at(found(member)).tokens.len()) != 0),
+                    "a settled row taking a block"
+                );
                 computed += if auto_commit {
-                    append_settled::<true>(&mut slots, run, self.bs)
+                    append_settled::<true>(&mut slots, run)
                 } else {
-                    append_settled::<false>(&mut slots, run, self.bs)
+                    append_settled::<false>(&mut slots, run)
                 };
                 let Some((&token, member)) = tokens.get(end).zip(pass.members.get(end)) else {
                     break;
@@ -448,19 +454,17 @@ fn found(member: &Option<Member>) -> Member {
 }
 
 /// The auto-commit ([`commit_settled`]) and append ([`push_settled`]) of each settled row of a
-/// run whose tokens take no block (of `bs` tokens): `(tokens, members)` of its rows. Returns
-/// the tokens that became computed. Out of line: inlined in the step, the loop would share its
-/// registers and keep its sum and bounds on the stack.
+/// run whose tokens take no block: `(tokens, members)` of its rows. Returns the tokens that
+/// became computed. Out of line: inlined in the step, the loop would share its registers and
+/// keep its sum and bounds on the stack.
 #[inline(never)]
 fn append_settled<const AUTO_COMMIT: bool>(
     slots: &mut Slots<'_>,
     (tokens, members): (&[Token], &[Option<Member>]),
-    bs: BlockSize,
 ) -> u64 {
     let mut computed = 0;
     for (&token, member) in tokens.iter().zip(members) {
         let s = slots.at(found(member));
-        debug_assert_ne!(bs.offset(s.tokens.len()), 0, "a settled row taking a block");
         computed += commit_settled(s, AUTO_COMMIT);
         push_settled(s, token);
     }
