@@ -162,7 +162,7 @@ impl BlockManager {
 
     /// Registers the sequence's full blocks `registered..upto` (all computed) in the prefix
     /// cache, in logical order.
-    pub(super) fn register_full(&self, s: &mut Sequence, upto: usize) {
+    fn register_full(&self, s: &mut Sequence, upto: usize) {
         let Some(prefix) = &self.prefix else {
             return;
         };
