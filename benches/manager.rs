@@ -80,7 +80,7 @@ fn bench_append(c: &mut Criterion) {
 /// one-shot `step` into a reused `Plan` (the whole CSR), and `step_batch` on a persistent
 /// `Batch` (only what changed), with prefix caching on and off. The plan alone splits the
 /// one-shot step's cost; the floor is the least memory traffic of a step (see `Floor`). The
-/// first step after an admission is timed alone too: it commits the prefill.
+/// first step after an admission is timed alone too, with its own floor: it commits the prefill.
 fn bench_step(c: &mut Criterion) {
     let blocks = 2 * Decoding::blocks();
     let mut decoding = Decoding::new(Arc::new(manager(blocks, true)));
@@ -139,6 +139,10 @@ fn bench_step(c: &mut Criterion) {
     let mut floor = Floor::new(&prefilled, Some(Registry::new(blocks)));
     g.bench_function("floor/batch256_caching", |b| {
         b.iter_custom(|iters| record("floor_caching", floor.time(iters), iters))
+    });
+    let mut floor = Floor::new(&prefilled, Some(Registry::new(blocks)));
+    g.bench_function("floor/first_after_prefill", |b| {
+        b.iter_custom(|iters| record("floor_first", floor.time_first_steps(iters), iters))
     });
     g.finish();
 }
@@ -222,6 +226,14 @@ criterion_group! {
     targets = bench_append, bench_step, bench_prefix
 }
 
+/// The mean of the steps after a batch's first, in ns, from the mean over all its steps
+/// (`name`) and that of its first (`first`).
+fn after_first(name: &str, first: &str) -> Option<f64> {
+    let (t, first) = (mean_ns(name)?, mean_ns(first)?);
+    let steps = decoding::MAX_STEPS as f64;
+    Some((steps * t - first) / (steps - 1.0))
+}
+
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
@@ -243,12 +255,12 @@ fn main() {
         "first_step",
         "first step_batch after 256 prompts were prefilled (registers ~7,900 blocks, fills the table)",
     );
-    if let (Some(t), Some(first)) = (mean_ns("step_batch"), mean_ns("first_step")) {
-        let steps = decoding::MAX_STEPS as f64;
+    let others = after_first("step_batch", "first_step");
+    if let Some(t) = others {
         println!(
             "step_batch without the prefill's commit (the other {} steps of a batch): {:.3} us",
             decoding::MAX_STEPS - 1,
-            (steps * t - first) / (steps - 1.0) / 1e3
+            t / 1e3
         );
     }
     show_us(
@@ -273,6 +285,20 @@ fn main() {
             ("step_batch_off", "floor", "step_batch, caching off"),
         ],
     );
+    show_us(
+        "floor_first",
+        "floor of a batch's first step (the prompts' blocks registered, the table written)",
+    );
+    show_fractions(
+        "floor",
+        &[("first_step", "floor_first", "first step_batch")],
+    );
+    if let (Some(t), Some(floor)) = (others, after_first("floor_caching", "floor_first")) {
+        println!(
+            "step_batch without the prefill's commit as a fraction of its memory-bound floor: {:.3}",
+            floor / t
+        );
+    }
     show_us("plan", "plan alone, batch 256");
     show_us(
         "hit",

@@ -152,16 +152,44 @@ impl Floor {
             left -= chunk;
             self.steps += chunk;
             if self.steps == MAX_STEPS {
-                self.steps = 0;
-                for (t, &n) in self.tokens.iter_mut().zip(&self.prompt_lens) {
-                    t.truncate(n);
-                }
-                for (t, &n) in self.tables.iter_mut().zip(&self.table_lens) {
-                    t.truncate(n);
-                }
+                self.start_over();
             }
         }
         elapsed
+    }
+
+    /// Times the first step of `iters` fresh batches, as `Decoding::time_first_steps` times the
+    /// manager's: the prefill's registrations, every row's table written out in one array (the
+    /// batch's table, filled by a first step), and the step's own traffic. Each batch starts
+    /// over untimed.
+    pub fn time_first_steps(&mut self, iters: u64) -> Duration {
+        let mut table = Vec::with_capacity(self.tables.iter().map(Vec::len).sum::<usize>() + BATCH);
+        let mut elapsed = Duration::ZERO;
+        for _ in 0..iters {
+            self.start_over();
+            table.clear();
+            let start = Instant::now();
+            self.register_prompts();
+            for row in &self.tables {
+                table.extend_from_slice(row);
+            }
+            self.step(0);
+            elapsed += start.elapsed();
+            black_box(&table);
+            self.steps = 1;
+        }
+        elapsed
+    }
+
+    /// Cuts every sequence back to its prompt: a new batch, whose first step registers them.
+    fn start_over(&mut self) {
+        self.steps = 0;
+        for (t, &n) in self.tokens.iter_mut().zip(&self.prompt_lens) {
+            t.truncate(n);
+        }
+        for (t, &n) in self.tables.iter_mut().zip(&self.table_lens) {
+            t.truncate(n);
+        }
     }
 
     /// The prefill's registrations: every prompt's full blocks.
