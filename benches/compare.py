@@ -13,7 +13,8 @@ any summary line a bench prints as `<what>: <number> us`.
 
 With `--in-process` it runs instead the `manager` bench's decode loop (`step_batch` at batch
 256, prefix caching on and off, warm and cold) on both builds in one process, alternating
-every 512 steps, over 8 pairs of fresh managers (`benches/support/in_process.rs`, in a crate
+every 512 steps, then the batch's first step after its prefill (which commits it), alternating
+every 8 of them, each over 8 pairs of fresh managers (`benches/support/in_process.rs`, in a crate
 generated in this tree's target folder that links both builds, the baseline's renamed
 `pagedkv_base`): both builds then run in the same machine phase, and the median of the rounds'
 ratios resolves a few percent (a build against itself: 0.97-1.00 over 96 rounds) where two
