@@ -443,8 +443,15 @@ impl PrefixCache {
     #[inline]
     pub(crate) fn prefetch_registration(&self, block: BlockId, key: MapKey) {
         self.map.prefetch(key);
+        prefetch_write(self.registration_at(block));
+        self.prefetch_stored_tokens(block);
+    }
+
+    /// Starts fetching the lines of `block`'s registration that hold its tokens.
+    #[inline]
+    pub(crate) fn prefetch_stored_tokens(&self, block: BlockId) {
         let start = self.registration_at(block);
-        for line in 0..self.stride / LINE_WORDS {
+        for line in TOKENS / LINE_WORDS..self.stride / LINE_WORDS {
             prefetch_write(start.wrapping_add(line * LINE_WORDS));
         }
     }

@@ -177,19 +177,30 @@ impl BlockManager {
         let chains = &s.hashes[from..upto];
         let tokens = s.tokens[from * bs..upto * bs].chunks_exact(bs);
         // A run of registrations (a prefill's commit) fetches the lines of the ones ahead while
-        // it writes this one. Not the first: it is written at once (and a decode step prefetched
-        // it a pass earlier).
+        // it writes this one, `REGISTRATIONS_AHEAD` ahead, and the lines of their tokens twice
+        // as far ahead as well. Those are the cold ones: taking the block read its first line
+        // and wrote its state, but nothing touched its tokens since its last registration.
+        // Alternating in one process, a prefill's commit took 1.08-1.12x as long with the
+        // tokens fetched only with the rest, and 1.02-1.05x with them fetched only early. Not
+        // the first: it is written at once (and a decode step prefetched it a pass earlier).
         let prefetch = |j: usize| {
             if let (Some(&block), Some(&key)) = (blocks.get(j), keys.get(j)) {
                 prefix.prefetch_registration(block, key);
                 self.gpu.prefetch_state(block);
             }
         };
+        let prefetch_tokens = |j: usize| {
+            if let Some(&block) = blocks.get(j) {
+                prefix.prefetch_stored_tokens(block);
+            }
+        };
         (1..REGISTRATIONS_AHEAD).for_each(prefetch);
+        (REGISTRATIONS_AHEAD..2 * REGISTRATIONS_AHEAD).for_each(prefetch_tokens);
         let mut parent = s.parent_key(from);
         let run = blocks.iter().zip(keys).zip(chains).zip(tokens);
         for (j, (((&block, &key), chain), tokens)) in run.enumerate() {
             prefetch(j + REGISTRATIONS_AHEAD);
+            prefetch_tokens(j + 2 * REGISTRATIONS_AHEAD);
             prefix.register(block, key, parent, chain, tokens, || {
                 self.publish(s, from + j, block, chain, tokens);
             });
