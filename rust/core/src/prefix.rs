@@ -401,7 +401,7 @@ impl PrefixCache {
 
     /// `block`'s registration: its key, parent key and chain (the first line), and its tokens.
     fn registration(&self, block: BlockId) -> (&[AtomicU64; TOKENS], &[AtomicU64]) {
-        let start = self.first + block as usize * self.stride;
+        let start = self.registration_start(block);
         let (head, tokens) = self.words[start..start + self.stride].split_at(TOKENS);
         (head.try_into().expect("a line"), tokens)
     }
@@ -464,8 +464,14 @@ impl PrefixCache {
     /// Where `block`'s registration starts, for a prefetch: computed, not bounds checked (the
     /// hint reads nothing).
     fn registration_at(&self, block: BlockId) -> *const AtomicU64 {
-        let start = self.first + block as usize * self.stride;
-        self.words.as_ptr().wrapping_add(start)
+        self.words
+            .as_ptr()
+            .wrapping_add(self.registration_start(block))
+    }
+
+    /// The index in `words` of `block`'s registration's first word.
+    fn registration_start(&self, block: BlockId) -> usize {
+        self.first + block as usize * self.stride
     }
 
     /// Starts fetching the map slot an eviction of `block` probes first (reads its key).
