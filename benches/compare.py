@@ -10,6 +10,16 @@ any summary line a bench prints as `<what>: <number> us`.
     python benches/compare.py                   # against main: the admission and manager benches
     python benches/compare.py --rev v0.1.0 --bench manager --rounds 5
     python benches/compare.py --rev v0.1.0 --in-process --rounds 40
+    python benches/compare.py --rev a381765 --bench manager --own-benches \
+        --filter 'decode/(step_plan|step_batch/batch256_decode)' \
+        --pair 'decode step_batch=step + plan' --rounds 8
+
+With `--own-benches` the baseline keeps its own bench sources, for a revision whose API this
+tree's benches do not compile against; its figures then say what they said at that revision,
+and `--pair OURS=BASE` prints the ratio of this tree's figure whose label starts with OURS to
+the baseline's whose label starts with BASE (the last example: today's decode step against
+the one-shot step + plan at the revision the 5 us target was set on). `--filter` passes a
+criterion filter to both binaries, so that a round runs only the benches named.
 
 With `--in-process` it runs instead the `manager` bench's decode loop (`step_batch` at batch
 256, prefix caching on and off, warm and cold) on both builds in one process, alternating
@@ -69,17 +79,25 @@ def declare_benches(manifest: Path, benches: list[str]) -> None:
     manifest.write_text(text)
 
 
-def run(exe: Path, cwd: Path) -> dict[str, float]:
-    """One run of a bench binary: its summary figures, in microseconds."""
-    out = subprocess.run(
-        [str(exe), "--bench", "--noplot"], cwd=cwd, check=True, capture_output=True, text=True
-    )
+def run(exe: Path, cwd: Path, criterion_filter: str | None) -> dict[str, float]:
+    """One run of a bench binary (only the benches `criterion_filter` matches, if given): its
+    summary figures, in microseconds."""
+    args = [str(exe), "--bench", "--noplot"] + ([criterion_filter] if criterion_filter else [])
+    out = subprocess.run(args, cwd=cwd, check=True, capture_output=True, text=True)
     figures = {}
     for line in out.stdout.splitlines():
         match = FIGURE.match(line.strip())
         if match:
             figures[match["what"]] = float(match["value"])
     return figures
+
+
+def labelled(figures: dict[str, list[float]], prefix: str, side: str) -> str:
+    """The one label in `figures` that starts with `prefix`."""
+    found = [what for what in figures if what.startswith(prefix)]
+    if len(found) != 1:
+        raise SystemExit(f"--pair: {len(found)} of {side}'s figures start with {prefix!r}")
+    return found[0]
 
 
 def in_process(base: Path, target: Path, rounds: int) -> None:
@@ -140,6 +158,19 @@ def main() -> int:
         help="run the decode loop of both builds in one process instead of the criterion benches",
     )
     parser.add_argument(
+        "--own-benches",
+        action="store_true",
+        help="the baseline runs its own bench sources, not this tree's",
+    )
+    parser.add_argument("--filter", help="criterion filter (a regex) for both bench binaries")
+    parser.add_argument(
+        "--pair",
+        action="append",
+        default=[],
+        metavar="OURS=BASE",
+        help="also the ratio of our figure labelled OURS... to the baseline's labelled BASE...",
+    )
+    parser.add_argument(
         "--base-dir",
         type=Path,
         help="where to export the baseline (default: compare-base-src inside this tree's target "
@@ -168,12 +199,15 @@ def main() -> int:
     # `-m`: the files are dated now, not at the commit, so cargo never takes them for the
     # sources of an older build in the same place.
     subprocess.run(["tar", "-x", "-m", "-C", str(base)], input=archive, check=True)
-    for source in (ROOT / "benches").rglob("*.rs"):
-        shutil.copy(source, base / source.relative_to(ROOT))
     if args.in_process:
+        for source in (ROOT / "benches").rglob("*.rs"):
+            shutil.copy(source, base / source.relative_to(ROOT))
         print(f"ratio = this tree / {args.rev}")
         in_process(base, ours_target, args.rounds or 40)
         return 0
+    if not args.own_benches:
+        for source in (ROOT / "benches").rglob("*.rs"):
+            shutil.copy(source, base / source.relative_to(ROOT))
     declare_benches(base / "rust/core/Cargo.toml", benches)
     print(f"building {args.rev} in {base} and this tree", file=sys.stderr)
     exes = {"base": build(base, base_target, benches), "ours": build(ROOT, ours_target, benches)}
@@ -183,7 +217,7 @@ def main() -> int:
         for bench in benches:
             for side, tree in (("base", base), ("ours", ROOT)):
                 print(f"round {round_ + 1}/{rounds}: {bench} ({side})", file=sys.stderr)
-                for what, value in run(exes[side][bench], tree).items():
+                for what, value in run(exes[side][bench], tree, args.filter).items():
                     figures.setdefault((bench, what, side), []).append(value)
     print(f"medians over {rounds} interleaved rounds; ratio = this tree / {args.rev}")
     for bench in benches:
@@ -198,6 +232,24 @@ def main() -> int:
             print(
                 f"{bench}: {what}: {before:.3f} -> {ours:.3f} us, ratio {ours / before:.3f} "
                 f"({before / ours:.2f}x faster)"
+            )
+        side_figures = {
+            side: {w: v for (b, w, s), v in figures.items() if b == bench and s == side}
+            for side in ("ours", "base")
+        }
+        for pair in args.pair:
+            ours_prefix, _, base_prefix = pair.partition("=")
+            ours_what = labelled(side_figures["ours"], ours_prefix, "this tree")
+            base_what = labelled(side_figures["base"], base_prefix, args.rev)
+            rounds_ours, rounds_base = (
+                side_figures["ours"][ours_what],
+                side_figures["base"][base_what],
+            )
+            ratios = [o / b for o, b in zip(rounds_ours, rounds_base, strict=True)]
+            print(
+                f"{bench}: {ours_what}, {statistics.median(rounds_ours):.3f} us, against "
+                f"{args.rev}'s {base_what}, {statistics.median(rounds_base):.3f} us: ratios "
+                f"{', '.join(f'{r:.3f}' for r in ratios)}, median {statistics.median(ratios):.3f}"
             )
     return 0
 

@@ -60,6 +60,9 @@ rm -rf "$SELF_BUILD"
 python3 benches/bench_tier.py --quick
 # Builds this tree's decode loop and HEAD's into one binary (the two are the same code here).
 python3 benches/compare.py --rev HEAD --in-process --rounds 8
+# HEAD with its own bench sources, as for a revision whose API this tree's benches outgrew.
+python3 benches/compare.py --rev HEAD --bench manager --own-benches --filter 'append/1_token' \
+    --pair 'append=append' --rounds 1
 
 step "python: pytest"
 python3 -m pytest -q
