@@ -153,8 +153,8 @@ impl Decoding {
         self.time_steps(iters, Stepping::Persistent, false)
     }
 
-    /// Runs `iters` steps, each batch's first among them only `with_first`; returns the time
-    /// spent in the counted ones.
+    /// Runs `iters` steps; without `with_first`, each batch's first step runs untimed and is not
+    /// counted. Returns the time spent in the counted ones.
     fn time_steps(&mut self, iters: u64, how: Stepping, with_first: bool) -> Duration {
         let mut elapsed = Duration::ZERO;
         let mut left = iters as usize;
