@@ -182,6 +182,10 @@ def main() -> int:
         help="the baseline's cargo target folder (default: compare-base-target inside this tree's)",
     )
     args = parser.parse_args()
+    if args.in_process and (args.own_benches or args.filter or args.pair):
+        parser.error(
+            "--own-benches, --filter and --pair are for the criterion benches, not --in-process"
+        )
     benches = args.bench or ["admission", "manager"]
     ours_target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
     # Inside our target folder, so that it is ignored like it (a sibling would be committed).
