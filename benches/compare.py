@@ -203,15 +203,13 @@ def main() -> int:
     # `-m`: the files are dated now, not at the commit, so cargo never takes them for the
     # sources of an older build in the same place.
     subprocess.run(["tar", "-x", "-m", "-C", str(base)], input=archive, check=True)
-    if args.in_process:
-        for source in (ROOT / "benches").rglob("*.rs"):
-            shutil.copy(source, base / source.relative_to(ROOT))
-        print(f"ratio = this tree / {args.rev}")
-        in_process(base, ours_target, args.rounds or 40)
-        return 0
     if not args.own_benches:
         for source in (ROOT / "benches").rglob("*.rs"):
             shutil.copy(source, base / source.relative_to(ROOT))
+    if args.in_process:
+        print(f"ratio = this tree / {args.rev}")
+        in_process(base, ours_target, args.rounds or 40)
+        return 0
     declare_benches(base / "rust/core/Cargo.toml", benches)
     print(f"building {args.rev} in {base} and this tree", file=sys.stderr)
     exes = {"base": build(base, base_target, benches), "ours": build(ROOT, ours_target, benches)}
