@@ -122,7 +122,7 @@ class BindingMachine(RuleBasedStateMachine):
 
     @initialize(
         num_blocks=st.integers(16, 48),
-        block_size=st.integers(1, 4),
+        block_size=st.sampled_from([1, 2, 3, 4, 16, 32]),
         num_cpu_blocks=st.sampled_from([32, 32, 0]),
         auto_commit=st.booleans(),
     )
@@ -136,6 +136,9 @@ class BindingMachine(RuleBasedStateMachine):
             "auto_commit": auto_commit,
             "watermark": 0.0,
         }
+        # Prompts and appends stretched to the block size, so that blocks of 16 or 32 tokens
+        # fill, share and copy as often as small ones.
+        self.stretch = max(1, block_size // 4)
         self.canon = BlockManager(num_blocks, block_size, **kwargs)
         self.varied = BlockManager(np.int64(num_blocks), Index(block_size), **kwargs)
         self.rows = Batch()  # the varied manager's persistent batch (see `step_batch`)
@@ -166,6 +169,10 @@ class BindingMachine(RuleBasedStateMachine):
             self.check_plan_shape(got[1])
             self.check_plan_shape(other[1])
         return True, got[1]
+
+    def stretched(self, tokens: list[int]) -> list[int]:
+        """Each token repeated `stretch` times."""
+        return [t for t in tokens for _ in range(self.stretch)]
 
     def ids(self, data: st.DataObject, values: list[int]) -> Any:
         """The values in a drawn container that holds them."""
@@ -217,7 +224,7 @@ class BindingMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tail=st.lists(token, min_size=0, max_size=9), bad=st.integers(0, 19))
     def allocate(self, data: st.DataObject, tail: list[int], bad: int) -> None:
         seq_id = data.draw(st.integers(0, MAX_ID - 1))
-        prompt = (SYSTEM_PROMPT if data.draw(st.booleans()) else []) + tail
+        prompt = self.stretched((SYSTEM_PROMPT if data.draw(st.booleans()) else []) + tail)
         salt = data.draw(st.sampled_from([None, b"a", "a"]))
         if bad == 0:  # the same bad argument for both
             arg = data.draw(st.sampled_from(["id", "tokens", "salt"]))
@@ -238,7 +245,7 @@ class BindingMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tail=st.lists(token, min_size=1, max_size=9), loadable=st.integers(0, 4))
     def allocate_loading(self, data: st.DataObject, tail: list[int], loadable: int) -> None:
         seq_id = data.draw(st.integers(0, MAX_ID - 1))
-        prompt = SYSTEM_PROMPT + tail
+        prompt = self.stretched(SYSTEM_PROMPT + tail)
         sid, toks, n = (
             self.scalar(data, seq_id),
             self.ids(data, prompt),
@@ -265,7 +272,7 @@ class BindingMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), tail=st.lists(token, min_size=0, max_size=9))
     def lookups(self, data: st.DataObject, tail: list[int]) -> None:
-        prompt = SYSTEM_PROMPT + tail
+        prompt = self.stretched(SYSTEM_PROMPT + tail)
         toks = self.ids(data, prompt)
         for name in ("can_allocate", "cached_prefix_blocks", "block_hashes"):
             self.both(
@@ -282,6 +289,7 @@ class BindingMachine(RuleBasedStateMachine):
             toks = data.draw(st.sampled_from(BAD_TOKENS))
             self.both("append bad", lambda m: m.append(seq_id, toks))
             return
+        tokens = self.stretched(tokens)
         sid, varied = self.scalar(data, seq_id), self.ids(data, tokens)
         self.both("append", lambda m: m.append(seq_id, tokens), lambda m: m.append(sid, varied))
 

@@ -37,6 +37,11 @@ pub enum Error {
     InvalidArgument(String),
     /// `check()` found a broken invariant; the message names the first one.
     InvariantViolated(String),
+    /// A structure the operation needs cannot be allocated (the machine's memory).
+    TooLarge {
+        /// What could not be allocated.
+        what: String,
+    },
 }
 
 impl fmt::Display for Error {
@@ -62,6 +67,7 @@ impl fmt::Display for Error {
             Error::NotSwappedOut(id) => write!(f, "sequence {id} is not swapped out"),
             Error::InvalidArgument(msg) => write!(f, "invalid argument: {msg}"),
             Error::InvariantViolated(msg) => write!(f, "invariant violated: {msg}"),
+            Error::TooLarge { what } => write!(f, "{what} cannot be allocated"),
         }
     }
 }

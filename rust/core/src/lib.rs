@@ -39,6 +39,20 @@
 //! ```
 //!
 //! Exact semantics of every operation: `SEMANTICS.md` in the crate.
+//!
+//! # Versions and stamps
+//! The crate's only counters that version state, each with one job:
+//! - **Call stamps** (`BlockManager`): each batch call draws a new stamp and marks every
+//!   sequence it visits with it, so a sequence named twice in one call is found at once.
+//! - **Table versions** (per sequence, drawn from one process-wide counter): a sequence's
+//!   block table gets a new version whenever an entry is replaced (a copy-on-write, a swap) or
+//!   the sequence is new; pushing a block keeps it. A [`Batch`] row that mirrors the same
+//!   version copies only the blocks pushed since.
+//! - **Block generations** (in each block's state word): bumped whenever a block is handed out
+//!   fresh, so a prefix lookup's snapshot of a block can only be acquired while the block is
+//!   still the incarnation that was verified.
+//! - **Free-list tag** (in the free stack's head): counts pops and pushes, so a pop that read a
+//!   stale next pointer cannot succeed (no ABA).
 
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -51,7 +65,6 @@ mod cpu_tier;
 mod error;
 mod events;
 mod free_list;
-mod hash_lanes;
 mod lru;
 mod manager;
 mod plan;
@@ -59,7 +72,6 @@ mod pool;
 mod prefix;
 mod prefix_map;
 mod sequence;
-mod simd;
 mod stats;
 mod sync;
 

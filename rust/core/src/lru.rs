@@ -2,7 +2,6 @@
 //! release at the head. Lives under the pool's lock; every operation is O(1).
 
 use crate::bookkeeping::{try_boxed, TooLarge};
-use crate::sync::prefetch_write;
 use crate::BlockId;
 
 const NIL: u32 = u32::MAX;
@@ -45,17 +44,6 @@ impl Lru {
     /// Number of blocks in the list.
     pub(crate) fn len(&self) -> usize {
         self.len
-    }
-
-    /// The least recently released block.
-    pub(crate) fn front(&self) -> Option<BlockId> {
-        (self.head != NIL).then_some(self.head)
-    }
-
-    /// Starts fetching `block`'s links.
-    pub(crate) fn prefetch(&self, block: BlockId) {
-        prefetch_write(&self.next[block as usize]);
-        prefetch_write(&self.prev[block as usize]);
     }
 
     /// Removes and returns the least recently released block.

@@ -8,7 +8,6 @@ mod fork;
 mod lifecycle;
 mod step;
 mod swap;
-mod taking;
 #[cfg(all(test, not(loom)))]
 mod testing;
 
@@ -19,7 +18,7 @@ use crate::error::invalid;
 use crate::events::{EventKind, EventLog};
 use crate::pool::{BlockPool, Released};
 use crate::prefix::PrefixCache;
-use crate::sequence::{LockedBatch, Member, Sequence, SequenceMap};
+use crate::sequence::{LockedBatch, Place, Sequence, SequenceMap};
 use crate::stats::{Counters, Stats};
 use crate::sync::{AtomicU64, Ordering};
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
@@ -126,8 +125,8 @@ impl BlockManager {
 
     /// The sequence's GPU block table.
     pub fn block_table(&self, seq: SeqId) -> Result<Vec<BlockId>, Error> {
-        let one = self.seqs.read_one(seq);
-        let s = one.get().ok_or(Error::UnknownSequence(seq))?;
+        let one = self.seqs.lock_one(seq);
+        let s = one.get_ref().ok_or(Error::UnknownSequence(seq))?;
         if s.swapped {
             return Err(Error::SwappedOut(seq));
         }
@@ -136,19 +135,27 @@ impl BlockManager {
 
     /// Number of tokens in the sequence.
     pub fn num_tokens(&self, seq: SeqId) -> Result<usize, Error> {
-        let one = self.seqs.read_one(seq);
-        Ok(one.get().ok_or(Error::UnknownSequence(seq))?.tokens.len())
+        let one = self.seqs.lock_one(seq);
+        Ok(one
+            .get_ref()
+            .ok_or(Error::UnknownSequence(seq))?
+            .tokens
+            .len())
     }
 
     /// The sequence's tokens.
     pub fn tokens(&self, seq: SeqId) -> Result<Vec<Token>, Error> {
-        let one = self.seqs.read_one(seq);
-        Ok(one.get().ok_or(Error::UnknownSequence(seq))?.tokens.clone())
+        let one = self.seqs.lock_one(seq);
+        Ok(one
+            .get_ref()
+            .ok_or(Error::UnknownSequence(seq))?
+            .tokens
+            .clone())
     }
 
     /// Whether `seq` is live (on the GPU or swapped out).
     pub fn contains(&self, seq: SeqId) -> bool {
-        self.seqs.read_one(seq).get().is_some()
+        self.seqs.lock_one(seq).get_ref().is_some()
     }
 
     /// Number of live sequences.
@@ -209,13 +216,6 @@ impl BlockManager {
                 needed,
                 available,
             })
-    }
-
-    /// Counts the evictions of one operation (one atomic addition, not one per block).
-    fn count_evictions(&self, evictions: u64) {
-        if evictions > 0 {
-            Counters::add(&self.counters.evictions, evictions);
-        }
     }
 
     /// Releases the GPU block table of `len` tokens, last block first.
@@ -286,37 +286,20 @@ fn no_gap(id: SeqId, s: &Sequence, start: usize) -> Result<(), Error> {
     Ok(())
 }
 
-/// Checks one member of a batch (live, not repeated, on the expected side), marks it and says
-/// where it is.
+/// Checks one sequence of a batch (live, not repeated, on the expected side), marks it with
+/// the call's `stamp` and says where it is.
 fn visit(
     batch: &mut LockedBatch<'_>,
     id: SeqId,
     stamp: u64,
     swapped: bool,
-) -> Result<Member, Error> {
-    visit_hinted(batch, id, None, Some(stamp), swapped).map(|(member, _)| member)
-}
-
-/// [`visit`], looking where `hint` says first, and handing out the sequence too; without a
-/// `stamp` (a batch whose members are distinct by construction) repeats are not checked.
-#[inline(always)]
-fn visit_hinted<'b>(
-    batch: &'b mut LockedBatch<'_>,
-    id: SeqId,
-    hint: Option<Member>,
-    stamp: Option<u64>,
-    swapped: bool,
-) -> Result<(Member, &'b mut Sequence), Error> {
-    let member = batch
-        .find_hinted(id, hint)
-        .ok_or(Error::UnknownSequence(id))?;
-    let s = batch.at(member);
-    if let Some(stamp) = stamp {
-        if s.stamp == stamp {
-            return Err(invalid(format!("sequence {id} appears twice in the batch")));
-        }
-        s.stamp = stamp;
+) -> Result<Place, Error> {
+    let place = batch.find(id).ok_or(Error::UnknownSequence(id))?;
+    let s = batch.at(place);
+    if s.stamp == stamp {
+        return Err(invalid(format!("sequence {id} appears twice in the batch")));
     }
+    s.stamp = stamp;
     if s.swapped != swapped {
         return Err(if s.swapped {
             Error::SwappedOut(id)
@@ -324,7 +307,45 @@ fn visit_hinted<'b>(
             Error::NotSwappedOut(id)
         });
     }
-    Ok((member, s))
+    Ok(place)
+}
+
+/// The blocks one operation took, and how many of them it evicted from the prefix cache.
+#[derive(Default)]
+struct Taken {
+    blocks: usize,
+    evictions: u64,
+}
+
+impl BlockManager {
+    /// Hands out the next block the caller reserved (FREE first, else the least recently
+    /// released CACHED block, which leaves the prefix cache now).
+    fn take(&self, taken: &mut Taken) -> BlockId {
+        let (block, evicted) = self.gpu.take_reserved();
+        taken.blocks += 1;
+        if evicted {
+            if let Some(prefix) = &self.prefix {
+                prefix.unregister(block, || {
+                    self.events.record(|| EventKind::BlockRemoved {
+                        block_hash: prefix.hash_of(block),
+                        block_id: block,
+                        medium: PoolKind::Gpu,
+                    })
+                });
+            }
+            taken.evictions += 1;
+        }
+        block
+    }
+
+    /// Ends an operation that reserved `reserved` blocks and took `taken`: counts its
+    /// evictions and gives back the reserved blocks it did not take.
+    fn finish_taking(&self, reserved: usize, taken: Taken) {
+        if taken.evictions > 0 {
+            Counters::add(&self.counters.evictions, taken.evictions);
+        }
+        self.gpu.unreserve(reserved - taken.blocks);
+    }
 }
 
 #[cfg(all(test, not(loom)))]

@@ -17,14 +17,13 @@
 //! A prompt is hashed before its admission takes any lock ([`PromptHashes`]), and a retry after
 //! a lost race reuses its map keys.
 
-use xxhash_rust::xxh3::{xxh3_128_with_secret, Xxh3};
+use xxhash_rust::xxh3::xxh3_128_with_secret;
 
 use crate::block::BlockState;
 use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::pool::BlockPool;
 use crate::prefix_map::{PrefixMap, Region};
-use crate::sequence::room_for;
-use crate::sync::{prefetch_write, AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 use crate::{BlockId, Token};
 
 /// A 128-bit block hash: the first half of the block's BLAKE3 chaining value.
@@ -45,22 +44,16 @@ pub(crate) fn block_hash_of(chain: &Chain) -> BlockHash {
 /// XXH3's default secret size (at least 136 bytes).
 const SECRET: usize = 192;
 
-/// Tokens a map key hashes from a stack buffer; longer blocks stream. Blocks of up to
-/// `SHORT_TOKENS` (the usual sizes) use a smaller buffer.
-const INLINE_TOKENS: usize = 64;
-const SHORT_TOKENS: usize = 16;
+/// Bytes of the block a hash reads from the stack; longer blocks are packed on the heap.
+const STACK_BYTES: usize = 16 + 4 * 64;
 
 /// Words of a block's registration: what a lookup verifies (`[key_lo, key_hi, parent_key_lo,
-/// parent_key_hi]`), then the BLAKE3 chaining value a hit reads next (one cache line), then the
-/// block's tokens, two to a word (the first in the low half), in whole lines.
+/// parent_key_hi]`), then the BLAKE3 chaining value a hit reads next, then the block's tokens,
+/// two to a word (the first in the low half).
 const KEY: usize = 0;
 const PARENT: usize = 2;
 const CHAIN: usize = 4;
 const TOKENS: usize = 8;
-
-/// Words in a cache line, and in the two-line unit a core's adjacent-line prefetcher fetches.
-const LINE_WORDS: usize = 8;
-const PAIR_WORDS: usize = 16;
 
 /// Hashes, map and registered contents of one GPU pool.
 pub(crate) struct PrefixCache {
@@ -72,12 +65,9 @@ pub(crate) struct PrefixCache {
     block_size: usize,
     /// Map key -> registered block.
     map: PrefixMap,
-    /// Per block, `stride` words from `first + block * stride`: its registration. Block 0
-    /// starts a 128-byte unit, so a 16-token block's registration (key, chain and tokens) is
-    /// one unit, whose two lines a registration writes and a hit reads together.
+    /// Per block, `stride` words from `block * stride`: its registration.
     words: Box<[AtomicU64]>,
     stride: usize,
-    first: usize,
 }
 
 fn split(h: u128) -> [u64; 2] {
@@ -94,23 +84,35 @@ fn token_pair(pair: &[Token]) -> u64 {
     u64::from(pair[0]) | u64::from(pair[1]) << 32
 }
 
-/// Writes a block's `tokens` into its registration's `stored` words ([`token_pair`]); a block
-/// of the usual 16 tokens in eight stores, without a loop.
-#[inline(always)]
+/// Writes a block's `tokens` into its registration's `stored` words ([`token_pair`]).
 fn store_tokens(stored: &[AtomicU64], tokens: &[Token]) {
-    let store = |stored: &[AtomicU64], tokens: &[Token]| {
-        let pairs = tokens.chunks_exact(2);
-        for (slot, pair) in stored.iter().zip(pairs.clone()) {
-            slot.store(token_pair(pair), Ordering::Relaxed);
-        }
-        if let [last] = pairs.remainder() {
-            stored[tokens.len() / 2].store(u64::from(*last), Ordering::Relaxed);
-        }
-    };
-    match (stored.first_chunk::<8>(), tokens.first_chunk::<16>()) {
-        (Some(words), Some(sixteen)) if tokens.len() == 16 => store(words, sixteen),
-        _ => store(stored, tokens),
+    let pairs = tokens.chunks_exact(2);
+    for (slot, pair) in stored.iter().zip(pairs.clone()) {
+        slot.store(token_pair(pair), Ordering::Relaxed);
     }
+    if let [last] = pairs.remainder() {
+        stored[tokens.len() / 2].store(u64::from(*last), Ordering::Relaxed);
+    }
+}
+
+/// Runs `hash` on `head` followed by `tokens` as little-endian bytes: the one packing of a
+/// block's tokens for both of its hashes.
+fn with_bytes<R>(head: &[u8], tokens: &[Token], hash: impl FnOnce(&[u8]) -> R) -> R {
+    let len = head.len() + 4 * tokens.len();
+    let mut stack = [0u8; STACK_BYTES];
+    let mut heap = Vec::new();
+    let bytes = if len <= STACK_BYTES {
+        &mut stack[..len]
+    } else {
+        heap.resize(len, 0);
+        &mut heap[..]
+    };
+    let (start, rest) = bytes.split_at_mut(head.len());
+    start.copy_from_slice(head);
+    for (dst, t) in rest.chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
+    }
+    hash(bytes)
 }
 
 /// The map key before block 0: the second half of the BLAKE3 root, so it binds the key and the
@@ -193,13 +195,8 @@ impl PrefixCache {
         num_blocks: u32,
         block_size: u32,
     ) -> Result<PrefixCache, TooLarge> {
-        let n = num_blocks as usize;
-        let token_words = (block_size as usize).div_ceil(2);
-        let stride = TOKENS + token_words.next_multiple_of(LINE_WORDS);
-        let words = try_boxed(n * stride + PAIR_WORDS - 1, |_| AtomicU64::new(0))?;
-        let word = std::mem::size_of::<AtomicU64>();
-        let unit = PAIR_WORDS * word;
-        let first = (unit - words.as_ptr() as usize % unit) % unit / word;
+        let stride = TOKENS + (block_size as usize).div_ceil(2);
+        let words = try_boxed(num_blocks as usize * stride, |_| AtomicU64::new(0))?;
         let mut secret = [0u8; SECRET];
         blake3::Hasher::new_keyed(&key)
             .update(b"pagedkv/map-secret")
@@ -213,7 +210,6 @@ impl PrefixCache {
             map: PrefixMap::new(num_blocks)?,
             words,
             stride,
-            first,
         })
     }
 
@@ -234,80 +230,31 @@ impl PrefixCache {
 
     /// The BLAKE3 chaining value of one full block after `parent`.
     pub(crate) fn hash_block(&self, parent: &Chain, tokens: &[Token]) -> Chain {
-        const CHUNK: usize = 64;
-        let mut buf = [0u8; 4 * CHUNK];
-        if tokens.len() <= CHUNK {
-            let len = 4 * tokens.len();
-            for (dst, t) in buf[..len].chunks_exact_mut(4).zip(tokens) {
-                dst.copy_from_slice(&t.to_le_bytes());
-            }
-            return *blake3::keyed_hash(parent, &buf[..len]).as_bytes();
-        }
-        let mut hasher = blake3::Hasher::new_keyed(parent);
-        for chunk in tokens.chunks(CHUNK) {
-            for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
-                dst.copy_from_slice(&t.to_le_bytes());
-            }
-            hasher.update(&buf[..4 * chunk.len()]);
-        }
-        *hasher.finalize().as_bytes()
+        with_bytes(&[], tokens, |bytes| {
+            *blake3::keyed_hash(parent, bytes).as_bytes()
+        })
     }
 
     /// The map key of one full block after the block keyed `parent`.
     pub(crate) fn key_block(&self, parent: MapKey, tokens: &[Token]) -> MapKey {
-        const SHORT: usize = 16 + 4 * SHORT_TOKENS;
-        const INLINE: usize = 16 + 4 * INLINE_TOKENS;
-        match tokens.len() {
-            // The usual size, its length known to the copy and the hash: no loop, no dispatch.
-            SHORT_TOKENS => self.key_inline::<SHORT>(parent, tokens),
-            len if len < SHORT_TOKENS => self.key_inline::<SHORT>(parent, tokens),
-            len if len <= INLINE_TOKENS => self.key_inline::<INLINE>(parent, tokens),
-            _ => self.key_streamed(parent, tokens),
-        }
-    }
-
-    /// [`PrefixCache::key_block`] of a long block, streamed.
-    #[inline(never)]
-    fn key_streamed(&self, parent: MapKey, tokens: &[Token]) -> MapKey {
-        let mut buf = [0u8; 4 * INLINE_TOKENS];
-        let mut hasher = Xxh3::with_secret(self.secret);
-        hasher.update(&parent.to_le_bytes());
-        for chunk in tokens.chunks(INLINE_TOKENS) {
-            for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
-                dst.copy_from_slice(&t.to_le_bytes());
-            }
-            hasher.update(&buf[..4 * chunk.len()]);
-        }
-        hasher.digest128()
-    }
-
-    /// [`PrefixCache::key_block`] hashed from a stack buffer of `N` bytes (which holds the
-    /// parent key and the tokens): sized for the block, so it costs no more to clear than it
-    /// holds.
-    #[inline(always)]
-    fn key_inline<const N: usize>(&self, parent: MapKey, tokens: &[Token]) -> MapKey {
-        let mut buf = [0u8; N];
-        buf[..16].copy_from_slice(&parent.to_le_bytes());
-        let len = 16 + 4 * tokens.len();
-        for (dst, t) in buf[16..len].chunks_exact_mut(4).zip(tokens) {
-            dst.copy_from_slice(&t.to_le_bytes());
-        }
-        xxh3_128_with_secret(&buf[..len], &self.secret)
+        with_bytes(&parent.to_le_bytes(), tokens, |bytes| {
+            xxh3_128_with_secret(bytes, &self.secret)
+        })
     }
 
     /// Hashes a prompt for admission: the root and every full block's map key, no lookup yet
-    /// (see [`PromptHashes::find_hits`]). Takes no lock. The vectors become the admitted
-    /// sequence's, so they have room for the blocks it decodes ([`room_for`]).
+    /// (see [`PromptHashes::find_hits`]). Takes no lock; the vectors become the admitted
+    /// sequence's.
     pub(crate) fn hash_prompt(&self, tokens: &[Token], salt: Option<&[u8]>) -> PromptHashes {
         let root = self.root(salt);
         let full = tokens.len() / self.block_size;
-        let mut keys = Vec::with_capacity(room_for(full));
+        let mut keys = Vec::with_capacity(full);
         let mut key = root_key(&root);
         for block_tokens in tokens.chunks_exact(self.block_size) {
             key = self.key_block(key, block_tokens);
             keys.push(key);
         }
-        let mut chains = Vec::with_capacity(room_for(full));
+        let mut chains = Vec::with_capacity(full);
         chains.resize(full, [0; 32]);
         PromptHashes {
             root,
@@ -373,8 +320,6 @@ impl PrefixCache {
     }
 
     /// [`PrefixCache::find`] under the lock of `key`'s region, after a lock-free miss.
-    #[cold]
-    #[inline(never)]
     fn find_locked(
         &self,
         pool: &BlockPool,
@@ -386,7 +331,6 @@ impl PrefixCache {
     }
 
     /// `block` with the state it was verified in, if it is hashed with exactly this content.
-    #[inline(always)]
     fn verify(
         &self,
         pool: &BlockPool,
@@ -401,7 +345,7 @@ impl PrefixCache {
 
     /// `block`'s registration: its key, parent key and chain (the first line), and its tokens.
     fn registration(&self, block: BlockId) -> (&[AtomicU64; TOKENS], &[AtomicU64]) {
-        let start = self.registration_start(block);
+        let start = block as usize * self.stride;
         let (head, tokens) = self.words[start..start + self.stride].split_at(TOKENS);
         (head.try_into().expect("a line"), tokens)
     }
@@ -437,46 +381,6 @@ impl PrefixCache {
             head[KEY].load(Ordering::Relaxed),
             head[KEY + 1].load(Ordering::Relaxed),
         )
-    }
-
-    /// Starts fetching the lines a registration of `block` under `key` writes.
-    #[inline]
-    pub(crate) fn prefetch_registration(&self, block: BlockId, key: MapKey) {
-        self.map.prefetch(key);
-        prefetch_write(self.registration_at(block));
-        self.prefetch_stored_tokens(block);
-    }
-
-    /// Starts fetching the lines of `block`'s registration that hold its tokens.
-    #[inline]
-    pub(crate) fn prefetch_stored_tokens(&self, block: BlockId) {
-        let start = self.registration_at(block);
-        for line in TOKENS / LINE_WORDS..self.stride / LINE_WORDS {
-            prefetch_write(start.wrapping_add(line * LINE_WORDS));
-        }
-    }
-
-    /// Starts fetching the registration an eviction of `block` reads.
-    pub(crate) fn prefetch_key(&self, block: BlockId) {
-        prefetch_write(self.registration_at(block));
-    }
-
-    /// Where `block`'s registration starts, for a prefetch: computed, not bounds checked (the
-    /// hint reads nothing).
-    fn registration_at(&self, block: BlockId) -> *const AtomicU64 {
-        self.words
-            .as_ptr()
-            .wrapping_add(self.registration_start(block))
-    }
-
-    /// The index in `words` of `block`'s registration's first word.
-    fn registration_start(&self, block: BlockId) -> usize {
-        self.first + block as usize * self.stride
-    }
-
-    /// Starts fetching the map slot an eviction of `block` probes first (reads its key).
-    pub(crate) fn prefetch_slot(&self, block: BlockId) {
-        self.map.prefetch(self.key_of(block));
     }
 
     /// The BLAKE3 chaining value `block` was registered with.
@@ -572,297 +476,7 @@ fn root_of(key: &[u8; 32], salt: Option<&[u8]>) -> Chain {
 }
 
 #[cfg(all(test, not(loom)))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hashes_chain_and_depend_on_key_and_salt() {
-        let a = PrefixCache::new([1; 32], 4, 4).unwrap();
-        let b = PrefixCache::new([2; 32], 4, 4).unwrap();
-        let root = a.root(None);
-        assert_ne!(root, a.root(Some(b"tenant")));
-        assert_ne!(a.root(Some(b"")), root);
-        let h = a.hash_block(&root, &[1, 2, 3, 4]);
-        assert_eq!(h, a.hash_block(&root, &[1, 2, 3, 4]));
-        assert_ne!(h, a.hash_block(&root, &[1, 2, 3, 5]));
-        assert_ne!(h, a.hash_block(&h, &[1, 2, 3, 4]));
-        assert_ne!(h, b.hash_block(&b.root(None), &[1, 2, 3, 4]));
-    }
-
-    #[test]
-    fn map_keys_chain_and_depend_on_key_and_salt() {
-        let a = PrefixCache::new([1; 32], 4, 4).unwrap();
-        let b = PrefixCache::new([2; 32], 4, 4).unwrap();
-        let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
-        let keys = |c: &PrefixCache, salt: Option<&[u8]>| c.hash_prompt(&tokens, salt).keys;
-        let k = keys(&a, None);
-        assert_eq!(k.len(), 2);
-        assert_eq!(k, keys(&a, None));
-        assert_eq!(k[0], a.key_block(root_key(&a.root(None)), &tokens[..4]));
-        assert_eq!(k[1], a.key_block(k[0], &tokens[4..]));
-        assert_ne!(k[0], a.key_block(root_key(&a.root(None)), &tokens[4..]));
-        assert_ne!(k, keys(&a, Some(b"tenant")));
-        assert_ne!(k, keys(&b, None));
-    }
-
-    #[test]
-    fn long_blocks_hash_all_tokens() {
-        let c = PrefixCache::new([0; 32], 1, 200).unwrap();
-        let tokens: Vec<u32> = (0..200).collect();
-        let mut other = tokens.clone();
-        other[199] = 7;
-        let root = c.root(None);
-        assert_ne!(c.hash_block(&root, &tokens), c.hash_block(&root, &other));
-        assert_ne!(c.key_block(0, &tokens), c.key_block(0, &other));
-    }
-
-    /// Every path of `key_block` (short, the usual 16 tokens, a buffer, streamed) is XXH3 of
-    /// the parent key and the tokens, so the key is one function of them.
-    #[test]
-    fn map_keys_are_one_function_of_parent_and_tokens() {
-        let c = PrefixCache::new([0; 32], 1, 200).unwrap();
-        let parent: MapKey = 0x0123_4567_89ab_cdef << 60 | 42;
-        for len in [1, 15, 16, 17, 64, 65, 200] {
-            let tokens: Vec<Token> = (0..len).map(|t| t * 31 + 5).collect();
-            let mut bytes = parent.to_le_bytes().to_vec();
-            bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
-            let expected = xxh3_128_with_secret(&bytes, &c.secret);
-            assert_eq!(c.key_block(parent, &tokens), expected, "{len} tokens");
-        }
-    }
-
-    /// A registration stores every token of its block (the usual 16 without a loop, any other
-    /// size pairwise): each one verifies, and changing any one fails.
-    #[test]
-    fn registrations_store_every_token() {
-        for bs in [1, 3, 15, 16, 17, 32] {
-            let c = PrefixCache::new([0; 32], 2, bs).unwrap();
-            let tokens: Vec<Token> = (0..bs as Token).map(|t| t * 7 + 1).collect();
-            let chain = c.hash_block(&c.root(None), &tokens);
-            let k = c.key_block(root_key(&c.root(None)), &tokens);
-            c.register(1, k, 5, &chain, &tokens, || {});
-            assert!(c.matches(1, k, 5, &tokens), "{bs} tokens");
-            for i in 0..tokens.len() {
-                let mut other = tokens.clone();
-                other[i] += 1;
-                assert!(
-                    !c.matches(1, k, 5, &other),
-                    "{bs} tokens, token {i} changed"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn register_verify_unregister() {
-        let c = PrefixCache::new([0; 32], 2, 2).unwrap();
-        let chain = c.hash_block(&c.root(None), &[1, 2]);
-        let k = c.key_block(root_key(&c.root(None)), &[1, 2]);
-        c.register(1, k, 5, &chain, &[1, 2], || {});
-        c.register(0, k, 5, &chain, &[1, 2], || panic!("already mapped"));
-        assert_eq!(c.get(k), Some(1));
-        assert_eq!((c.key_of(1), c.chain_of(1)), (k, chain));
-        assert_eq!(c.hash_of(1), block_hash_of(&chain));
-        assert_eq!(c.hashes(), vec![block_hash_of(&chain)]);
-        assert!(c.matches(1, k, 5, &[1, 2]));
-        assert!(!c.matches(1, k, 6, &[1, 2]));
-        assert!(!c.matches(1, k, 5, &[1, 3]));
-        c.unregister(0, || panic!("not mapped to 0"));
-        assert_eq!(c.get(k), Some(1));
-        let mut removed = false;
-        c.unregister(1, || removed = true);
-        assert!(removed);
-        assert_eq!(c.get(k), None);
-    }
-
-    /// Tokens are stored two to a word: an odd block's last token has a word of its own, and
-    /// every token is verified, in blocks spanning several lines.
-    #[test]
-    fn every_token_of_odd_and_long_blocks_is_verified() {
-        for bs in [1, 3, 17, 33] {
-            let c = PrefixCache::new([0; 32], 3, bs).unwrap();
-            let tokens: Vec<Token> = (0..bs).map(|t| t * 7 + 1).collect();
-            let k = c.key_block(0, &tokens);
-            c.register(2, k, 0, &[0; 32], &tokens, || {});
-            assert!(c.matches(2, k, 0, &tokens));
-            for i in 0..tokens.len() {
-                let mut other = tokens.clone();
-                other[i] += 1;
-                assert!(!c.matches(2, k, 0, &other), "block size {bs}, token {i}");
-            }
-            assert_eq!(c.key_of(1), 0, "a neighbour's registration is untouched");
-        }
-    }
-
-    /// A prompt whose first block is registered: the walk reads the hit's chain, computes the
-    /// rest once, and a second walk that finds the same hits recomputes nothing.
-    #[test]
-    fn prompt_hashes_read_hits_and_compute_the_rest_once() {
-        let pool = BlockPool::new(2).unwrap();
-        let c = PrefixCache::new([3; 32], 2, 2).unwrap();
-        let tokens = [1, 2, 3, 4, 5];
-        let root = c.root(None);
-        let chains = [
-            c.hash_block(&root, &tokens[..2]),
-            c.hash_block(&c.hash_block(&root, &tokens[..2]), &tokens[2..4]),
-        ];
-        let mut prompt = c.hash_prompt(&tokens, None);
-        prompt.find_hits(&c, &pool, &tokens, 2);
-        assert!(prompt.hits.is_empty());
-        assert_eq!(prompt.chains, chains);
-        assert_eq!(prompt.computed_from, 0);
-
-        let block = pool.allocate().unwrap();
-        let parent = root_key(&root);
-        c.register(
-            block,
-            prompt.keys[0],
-            parent,
-            &chains[0],
-            &tokens[..2],
-            || pool.mark_hashed(block),
-        );
-        prompt.find_hits(&c, &pool, &tokens, 2);
-        assert_eq!(prompt.hits.len(), 1);
-        assert_eq!((prompt.hits[0].0, prompt.cached_hits), (block, 0));
-        assert_eq!(prompt.chains, chains);
-        assert_eq!(prompt.computed_from, 1);
-        prompt.chains[1] = [9; 32]; // would be recomputed if the walk started elsewhere
-        prompt.find_hits(&c, &pool, &tokens, 2);
-        assert_eq!(prompt.chains[1], [9; 32]);
-        assert_eq!(c.count_hits(&pool, &tokens, None, 2), (1, 0));
-        assert_eq!(c.count_hits(&pool, &tokens, None, 0), (0, 0));
-        assert_eq!(c.count_hits(&pool, &tokens, Some(b"s"), 2), (0, 0));
-    }
-}
+mod tests;
 
 #[cfg(all(test, loom))]
-mod loom_tests {
-    use super::*;
-    use crate::pool::Hit;
-    use loom::sync::Arc;
-
-    /// Two keys of one region; a lookup's lock-free probe takes no lock, so only the block's
-    /// state word orders the threads.
-    const OLD: MapKey = 1 << 64;
-    const NEW: MapKey = 2 << 64;
-    const OLD_TOKENS: [Token; 2] = [1, 1];
-    const NEW_TOKENS: [Token; 2] = [2, 2];
-    const OLD_CHAIN: Chain = [1; 32];
-    const NEW_CHAIN: Chain = [2; 32];
-
-    /// A one-block pool whose block is CACHED, registered as `OLD`.
-    fn one_cached_block() -> (BlockPool, PrefixCache) {
-        let pool = BlockPool::new(1).unwrap();
-        let prefix = PrefixCache::new([0; 32], 1, 2).unwrap();
-        let block = pool.allocate().unwrap();
-        prefix.register(block, OLD, 0, &OLD_CHAIN, &OLD_TOKENS, || {
-            pool.mark_hashed(block)
-        });
-        pool.release_block(block, 0);
-        (pool, prefix)
-    }
-
-    /// `allocate`'s path for one block: lookup (reading the hit's chain), reserve if the hit
-    /// is CACHED, acquire.
-    fn lookup_and_acquire(
-        pool: &BlockPool,
-        prefix: &PrefixCache,
-        key: MapKey,
-        tokens: &[Token],
-    ) -> Option<(BlockId, Hit, Chain)> {
-        let (block, seen) = prefix.find(pool, key, 0, tokens)?;
-        let chain = prefix.chain_of(block);
-        let needed = usize::from(seen.refcount() == 0);
-        pool.reserve(needed).ok()?;
-        match pool.acquire_hit(block, seen, 0) {
-            Some(hit) => Some((block, hit, chain)),
-            None => {
-                pool.unreserve(needed);
-                None
-            }
-        }
-    }
-
-    /// A lookup of `OLD` races a thread that evicts the block, registers `NEW` contents in it,
-    /// lets it go (CACHED) and revives it by a `NEW` hit. Whatever the interleaving, a hit on
-    /// `OLD` holds `OLD`'s contents while it holds the block, and read `OLD`'s chain.
-    #[test]
-    fn lookup_races_evict_reregister_and_revive() {
-        // Reaching a stale read takes three preemptions; the suite's default bound is two.
-        let mut model = loom::model::Builder::new();
-        model.preemption_bound = Some(4);
-        model.check(|| {
-            let shared = Arc::new(one_cached_block());
-            let other = shared.clone();
-            let reuser = loom::thread::spawn(move || {
-                let (pool, prefix) = &*other;
-                if pool.reserve(1).is_err() {
-                    return None; // the lookup revived the block first
-                }
-                let (block, evicted) = pool.take_reserved();
-                assert!(evicted);
-                prefix.unregister(block, || {});
-                prefix.register(block, NEW, 0, &NEW_CHAIN, &NEW_TOKENS, || {
-                    pool.mark_hashed(block)
-                });
-                pool.release_block(block, 0);
-                lookup_and_acquire(pool, prefix, NEW, &NEW_TOKENS)
-            });
-            let (pool, prefix) = &*shared;
-            let old_hit = lookup_and_acquire(pool, prefix, OLD, &OLD_TOKENS);
-            if let Some((block, _, chain)) = old_hit {
-                assert_eq!(chain, OLD_CHAIN, "a hit on OLD read another chain");
-                assert!(
-                    prefix.matches(block, OLD, 0, &OLD_TOKENS),
-                    "a hit on OLD holds other contents"
-                );
-            }
-            let new_hit = reuser.join().unwrap();
-            if let Some((block, _, _)) = old_hit {
-                assert!(prefix.matches(block, OLD, 0, &OLD_TOKENS));
-                assert!(new_hit.is_none(), "the block was never evicted");
-            }
-            if let Some((_, _, chain)) = new_hit {
-                assert_eq!(chain, NEW_CHAIN);
-            }
-            let holders = usize::from(old_hit.is_some()) + usize::from(new_hit.is_some());
-            assert_eq!(pool.state(0).refcount() as usize, holders);
-            assert_eq!(pool.available() + holders, 1);
-        });
-    }
-
-    /// Two keys with one home (and different fingerprints): `SECOND` sits behind `FIRST` until
-    /// `FIRST`'s block is evicted and `SECOND` shifts back over it. A lookup of `SECOND` racing
-    /// that shift may miss on its lock-free probe, but never misses in the end: `SECOND` stays
-    /// mapped throughout.
-    #[test]
-    fn lookup_finds_an_entry_that_shifts_back() {
-        const FIRST: MapKey = 1 << 64 | 4;
-        const SECOND: MapKey = 3 << 64 | 8;
-        loom::model(|| {
-            let pool = Arc::new(BlockPool::new(2).unwrap());
-            let prefix = Arc::new(PrefixCache::new([0; 32], 2, 2).unwrap());
-            for (key, tokens) in [(FIRST, [1, 1]), (SECOND, [2, 2])] {
-                let block = pool.allocate().unwrap();
-                prefix.register(block, key, 0, &[0; 32], &tokens, || pool.mark_hashed(block));
-            }
-            pool.release_block(0, 0);
-            let reader = {
-                let (pool, prefix) = (pool.clone(), prefix.clone());
-                loom::thread::spawn(move || {
-                    let found = prefix.find(&pool, SECOND, 0, &[2, 2]);
-                    found.map(|(block, _)| block)
-                })
-            };
-            pool.reserve(1).unwrap();
-            let (block, evicted) = pool.take_reserved();
-            assert!(evicted);
-            prefix.unregister(block, || {});
-            let found = reader.join().unwrap();
-            assert_eq!(found, Some(1));
-            assert_eq!(prefix.get(FIRST), None);
-            assert_eq!(prefix.get(SECOND), Some(1));
-        });
-    }
-}
+mod loom_tests;

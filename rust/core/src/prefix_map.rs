@@ -5,7 +5,7 @@
 //! entries after it back, so there are no tombstones and probes stay short. A slot holds a
 //! block id and the key's low 32 bits (its home and a fingerprint); the full key stays in the
 //! block's registration (`key_of`), read only when the fingerprint matches. So a slot is eight
-//! bytes, a key's slot is known before any lookup (and can be prefetched), a probe or a removal
+//! bytes, a key's slot is known before any lookup, a probe or a removal
 //! reads no other block's registration, and the table has two slots per block (load at most
 //! one half).
 //!
@@ -16,7 +16,7 @@
 
 use crate::bookkeeping::{try_boxed, TooLarge};
 use crate::prefix::MapKey;
-use crate::sync::{lock, prefetch_write, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::sync::{lock, AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::BlockId;
 
 /// An empty slot (no block has id `BlockId::MAX`).
@@ -85,11 +85,6 @@ impl PrefixMap {
 
     fn load(&self, slot: usize) -> u64 {
         self.slots[slot].load(Ordering::Relaxed)
-    }
-
-    /// Starts fetching the line of `key`'s home slot, for a registration or removal to come.
-    pub(crate) fn prefetch(&self, key: MapKey) {
-        prefetch_write(self.slots.as_ptr().wrapping_add(self.home(key)));
     }
 
     /// The first block on `key`'s probe with `key`'s fingerprint, without a lock: only a

@@ -38,23 +38,3 @@ impl Backoff {
         self.0 = (self.0 + 1).min(6);
     }
 }
-
-/// Asks the CPU to start fetching the cache line holding `value`, so a later store (or the
-/// locked instruction that would wait for it) does not stall on the miss. The hint asks for the
-/// line to write: `prefetchw` when built with the `prfchw` feature (e.g. `target-cpu=native`),
-/// a plain `prefetcht0` on the x86-64 baseline (measured alike on our VM). Only a hint: it
-/// reads and writes nothing (any address will do, so callers may skip bounds checks), and is a
-/// no-op off x86-64 and under loom.
-#[inline(always)]
-pub(crate) fn prefetch_write<T>(value: *const T) {
-    #[cfg(all(target_arch = "x86_64", not(loom)))]
-    #[allow(unsafe_code)]
-    // SAFETY: a prefetch accesses no memory, so it cannot fault whatever the address; `sse` is
-    // part of the x86-64 baseline.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
-        _mm_prefetch::<_MM_HINT_ET0>(value.cast());
-    }
-    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
-    let _ = value;
-}

@@ -1055,10 +1055,11 @@ struct Prompt {
 }
 
 impl Prompt {
-    fn tokens(&self) -> Vec<Token> {
+    /// The prompt's tokens, each repeated `stretch` times.
+    fn tokens(&self, stretch: usize) -> Vec<Token> {
         let mut t = SYSTEM_PREFIXES[self.prefix].to_vec();
         t.extend_from_slice(&self.suffix);
-        t
+        stretched(&t, stretch)
     }
 
     fn salt(&self) -> Option<&'static [u8]> {
@@ -1152,6 +1153,14 @@ enum Op {
     TakeEvents,
 }
 
+/// Each of `tokens` repeated `stretch` times: prompts and appends scaled to a block size, so
+/// that blocks of 16 or 32 tokens fill, share and copy as often as blocks of 2 to 4.
+fn stretched(tokens: &[Token], stretch: usize) -> Vec<Token> {
+    (tokens.iter())
+        .flat_map(|&t| std::iter::repeat_n(t, stretch))
+        .collect()
+}
+
 fn token() -> impl Strategy<Value = Token> {
     prop_oneof![30 => 0u32..4, 1 => Just(u32::MAX)]
 }
@@ -1242,10 +1251,10 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn config() -> impl Strategy<Value = Config> {
+fn config(block_size: impl Strategy<Value = u32>) -> impl Strategy<Value = Config> {
     (
         4u32..=32,
-        1u32..=4,
+        block_size,
         prop_oneof![1 => Just(0u32), 4 => 2u32..=8],
         prop::bool::weighted(0.85),
         prop_oneof![Just(0.0), Just(0.01), Just(0.1), Just(0.3)],
@@ -1303,6 +1312,8 @@ struct Harness {
     /// applying its update logs (as a device copy would be).
     batch: PersistentBatch,
     mirror: Vec<i32>,
+    /// How many tokens each generated prompt or appended token stands for.
+    stretch: usize,
 }
 
 /// Whether a real error is one the model allows (InvalidArgument messages are free text).
@@ -1368,6 +1379,7 @@ fn progress(m: Option<&ModelSeq>) -> (usize, usize, usize, usize) {
 impl Harness {
     fn new(cfg: Config) -> Harness {
         let model = Model::new(&cfg);
+        let stretch = (cfg.block_size as usize / 4).max(1);
         let real = BlockManager::new(cfg).expect("valid config");
         Harness {
             real,
@@ -1377,6 +1389,7 @@ impl Harness {
             plan: Plan::new(),
             batch: PersistentBatch::new(),
             mirror: Vec::new(),
+            stretch,
         }
     }
 
@@ -1438,7 +1451,7 @@ impl Harness {
         match op {
             Op::Allocate { seq, prompt } => {
                 let seq = self.resolve(seq, Want::Any);
-                let tokens = prompt.tokens();
+                let tokens = prompt.tokens(self.stretch);
                 let real = self.real.allocate(seq, &tokens, prompt.salt());
                 let model = self.model.admit(seq, &tokens, prompt.salt(), None);
                 same(real, model.map(|(reused, _)| reused))?;
@@ -1449,7 +1462,7 @@ impl Harness {
                 loadable,
             } => {
                 let seq = self.resolve(seq, Want::Any);
-                let tokens = prompt.tokens();
+                let tokens = prompt.tokens(self.stretch);
                 let real = self
                     .real
                     .allocate_loading(seq, &tokens, *loadable, prompt.salt());
@@ -1468,7 +1481,7 @@ impl Harness {
                 )?;
             }
             Op::CanAllocate { prompt } => {
-                let tokens = prompt.tokens();
+                let tokens = prompt.tokens(self.stretch);
                 if !tokens.is_empty() {
                     let real = self.real.can_allocate(&tokens, prompt.salt());
                     prop_assert_eq!(real, self.model.can_allocate(&tokens, prompt.salt()));
@@ -1482,6 +1495,7 @@ impl Harness {
             }
             Op::Append { seq, tokens } => {
                 let seq = self.resolve(seq, Want::Resident);
+                let tokens = &stretched(tokens, self.stretch);
                 same(
                     self.real.append(seq, tokens),
                     self.model.append(seq, tokens),
@@ -1928,16 +1942,17 @@ fn cases() -> u32 {
         .unwrap_or(DEFAULT_CASES)
 }
 
-#[test]
-fn manager_matches_model() {
+/// Runs `cases` random operation lists with block sizes from `block_size` against the model,
+/// and checks that they exercised every scenario.
+fn run_model(cases: u32, block_size: impl Strategy<Value = u32>) {
     let mut runner = TestRunner::new(ProptestConfig {
-        cases: cases(),
+        cases,
         // A failure prints the shrunk operation list; no regression file in the source tree.
         failure_persistence: None,
         ..ProptestConfig::default()
     });
     let summary = Summary::default();
-    let strategy = (config(), prop::collection::vec(op(), 1..=240));
+    let strategy = (config(block_size), prop::collection::vec(op(), 1..=240));
     let result = runner.run(&strategy, |(cfg, ops)| {
         let mut h = Harness::new(cfg);
         for op in &ops {
@@ -1971,4 +1986,16 @@ fn manager_matches_model() {
     ] {
         assert!(get(counter) > 0, "the run never exercised {what}");
     }
+}
+
+#[test]
+fn manager_matches_model() {
+    run_model(cases(), 1u32..=4);
+}
+
+/// The block sizes servers use (16) and a larger one, with prompts and appends stretched to
+/// match: the paths a benchmark times are checked against the model too.
+#[test]
+fn manager_matches_model_at_serving_block_sizes() {
+    run_model((cases() / 3).max(1), prop_oneof![Just(16u32), Just(32u32)]);
 }

@@ -50,8 +50,10 @@ impl Batch {
         self.inner.len()
     }
 
-    fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.contains(self::seq_id(seq_id)?))
+    /// Whether `seq_id` has a row; False for anything that is not a sequence id, as for
+    /// `seq_id in manager`.
+    fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> bool {
+        self::seq_id(seq_id).is_ok_and(|id| self.inner.contains(id))
     }
 
     /// The row of `seq_id`, or None.

@@ -7,7 +7,7 @@ use numpy::{
     PyUntypedArrayMethods,
 };
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyKeyError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyException, PyKeyError, PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyInt, PyMemoryView, PySequence, PyString};
@@ -28,6 +28,7 @@ pub(crate) fn to_py(err: core::Error) -> PyErr {
         core::Error::UnknownSequence(_) => PyKeyError::new_err(msg),
         core::Error::OutOfBlocks { .. } => OutOfBlocks::new_err(msg),
         core::Error::InvariantViolated(_) => PyRuntimeError::new_err(msg),
+        core::Error::TooLarge { .. } => PyMemoryError::new_err(msg),
         core::Error::DuplicateSequence(_)
         | core::Error::SwappedOut(_)
         | core::Error::NotSwappedOut(_)

@@ -9,8 +9,10 @@ mod stats;
 
 use pyo3::prelude::*;
 
-/// The compiled core of pagedkv.
-#[pymodule(gil_used = false)]
+/// The compiled core of pagedkv. It does not declare itself free-threading safe: numpy views of
+/// a plan's buffers are written by Python code, and the plan reads those buffers (see
+/// `plan.rs`), which the GIL orders; on a free-threaded Python, importing it enables the GIL.
+#[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::BlockManager>()?;
     m.add_class::<batch::Batch>()?;

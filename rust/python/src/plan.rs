@@ -108,11 +108,12 @@ impl Plan {
         // the plan owns and never resizes, reallocates or frees while alive; the view's base is
         // the plan, so the buffer outlives the view (`Drop` hands it back to the pool only when
         // no view is left). Aliasing: no `&mut` borrow of a buffer exists after `Plan::new`;
-        // every view, on whatever thread and however many are alive (the GIL may be released
-        // elsewhere meanwhile), is built from this same raw pointer, so two live writable
-        // views never come from overlapping `&mut` borrows. The only Rust accesses while the
-        // plan is alive are `block_tables`'s reads, made with the GIL held, as numpy's own
-        // writes through the views are.
+        // every view, on whatever thread and however many are alive, is built from this same
+        // raw pointer, so two live writable views never come from overlapping `&mut` borrows.
+        // The only Rust accesses while the plan is alive are `block_tables`'s reads, made with
+        // the GIL held, as numpy's own writes through the views are: the module does not
+        // declare `gil_used = false` (lib.rs), so a GIL exists even on a free-threaded Python
+        // and orders them.
         unsafe {
             match field {
                 Field::Copies => {

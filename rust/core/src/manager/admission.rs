@@ -3,10 +3,9 @@
 
 use crate::error::invalid;
 use crate::events::EventKind;
-use crate::manager::taking::Takes;
-use crate::manager::{check_room, BlockManager, MAX_TOKENS};
+use crate::manager::{check_room, BlockManager, Taken, MAX_TOKENS};
 use crate::prefix::{block_hash_of, BlockHash, PrefixCache};
-use crate::sequence::{room_for, with_room, Sequence};
+use crate::sequence::Sequence;
 use crate::stats::Counters;
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
 
@@ -72,7 +71,7 @@ impl BlockManager {
             };
             let needed = pages - hits.len() + cached_hits;
             self.reserve_gpu(needed)?;
-            let mut table = Vec::with_capacity(room_for(pages));
+            let mut table = Vec::with_capacity(pages);
             let (acquired, used) = self.gpu.acquire_hits(hits, bs.get() as u32);
             table.extend(hits[..acquired].iter().map(|&(block, _)| block));
             if acquired < hits.len() {
@@ -81,12 +80,11 @@ impl BlockManager {
                 self.gpu.unreserve(needed - used);
                 continue;
             }
-            let mut takes = Takes::at_least(pages - table.len());
+            let mut taken = Taken::default();
             while table.len() < pages {
-                table.push(self.take(&mut takes));
+                table.push(self.take(&mut taken));
             }
-            self.count_evictions(takes.evictions);
-            self.gpu.unreserve(needed - used - takes.blocks);
+            self.finish_taking(needed - used, taken);
             break (one, table);
         };
         let hit_blocks = prompt.as_ref().map_or(0, |(_, p)| p.hits.len());
@@ -101,7 +99,7 @@ impl BlockManager {
             None => (Vec::new(), Vec::new(), [0; 32]),
         };
         let mut sequence = Sequence::new(
-            with_room(tokens),
+            tokens.to_vec(),
             table,
             keys,
             hashes,
@@ -223,35 +221,6 @@ mod tests {
     use crate::events::EventKind;
     use crate::manager::testing::*;
     use crate::{BlockHash, Error, Plan, PoolKind, Token};
-
-    /// Whether each of sequence `seq`'s vectors (tokens, table, map keys, chains) has the
-    /// capacity for twice its length.
-    fn has_room(mgr: &crate::BlockManager, seq: crate::SeqId) -> [bool; 4] {
-        let one = mgr.seqs.read_one(seq);
-        let s = one.get().unwrap();
-        [
-            s.tokens.capacity() >= 2 * s.tokens.len(),
-            s.table.capacity() >= 2 * s.table.len(),
-            s.keys.capacity() >= 2 * s.keys.len(),
-            s.hashes.capacity() >= 2 * s.hashes.len(),
-        ]
-    }
-
-    #[test]
-    fn new_sequences_have_room_to_decode() {
-        // Their first decode steps push into reserved room: no reallocation of the prompt
-        // under a step's locks.
-        let mgr = manager(64, 4, |_| {});
-        let prompt: Vec<Token> = (0..50).collect();
-        mgr.allocate(1, &prompt, None).unwrap();
-        assert_eq!(has_room(&mgr, 1), [true; 4]);
-        prefill(&mgr, &[1]);
-        mgr.allocate(2, &prompt, None).unwrap(); // all but the last block hit
-        assert_eq!(has_room(&mgr, 2), [true; 4]);
-        mgr.fork(1, 3).unwrap();
-        assert_eq!(has_room(&mgr, 3), [true; 4]);
-        mgr.check().unwrap();
-    }
 
     /// The published chain exactly as SEMANTICS.md defines it, computed with BLAKE3 directly.
     fn blake3_hashes(

@@ -2,7 +2,7 @@
 
 use crate::error::invalid;
 use crate::manager::{not_loading, BlockManager};
-use crate::sequence::{with_room, Sequence};
+use crate::sequence::Sequence;
 use crate::stats::Counters;
 use crate::{Error, SeqId};
 
@@ -37,10 +37,10 @@ impl BlockManager {
         }
         p.shared_tail = true;
         let mut copy = Sequence::new(
-            with_room(&p.tokens),
-            with_room(&p.table),
-            with_room(&p.keys),
-            with_room(&p.hashes),
+            p.tokens.clone(),
+            p.table.clone(),
+            p.keys.clone(),
+            p.hashes.clone(),
             p.root,
             p.computed,
             p.registered,

@@ -10,9 +10,6 @@ use crate::sequence::Sequence;
 use crate::stats::Counters;
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
 
-/// How far ahead of a run of registrations their lines are prefetched.
-const REGISTRATIONS_AHEAD: usize = 4;
-
 impl BlockManager {
     /// Confirms that the first `loaded` blocks handed out by `allocate_loading` hold their KV:
     /// they become computed (and shareable); the rest stay pending, to be recomputed.
@@ -76,8 +73,8 @@ impl BlockManager {
 
     /// Tokens of the sequence whose KV is computed.
     pub fn num_computed(&self, seq: SeqId) -> Result<usize, Error> {
-        let one = self.seqs.read_one(seq);
-        Ok(one.get().ok_or(Error::UnknownSequence(seq))?.computed)
+        let one = self.seqs.lock_one(seq);
+        Ok(one.get_ref().ok_or(Error::UnknownSequence(seq))?.computed)
     }
 
     /// With `auto_commit`, a call naming a sequence first commits its latest plan. Returns the
@@ -108,7 +105,6 @@ impl BlockManager {
     /// Marks the sequence's KV computed up to `upto` (at most `planned`), completes the copies
     /// of committed plans and registers the newly computed full blocks. Returns the tokens that
     /// became computed; the caller settles them.
-    #[inline]
     fn commit_unsettled(&self, s: &mut Sequence, upto: usize) -> u64 {
         debug_assert!(upto <= s.planned);
         let mut computed = 0;
@@ -116,21 +112,6 @@ impl BlockManager {
             computed = (upto - s.computed) as u64;
             s.computed = upto;
         }
-        // The decode step's usual case: no copy to complete and no block newly full.
-        let full = self.bs.index(s.computed);
-        if s.copying.is_empty() && (full <= s.registered || self.prefix.is_none()) {
-            return computed;
-        }
-        self.complete_and_register(s);
-        computed
-    }
-
-    /// The rest of a commit: completes the copies of committed plans and registers the newly
-    /// computed full blocks. Kept out of line: inlined (with both hashes) into the decode
-    /// step's loop, which reaches it for about one sequence in `block_size`, it made every step
-    /// 5-10% slower (interleaved `admission` bench).
-    #[inline(never)]
-    fn complete_and_register(&self, s: &mut Sequence) {
         if !s.copying.is_empty() {
             let computed = s.computed;
             s.copying.retain(|copy| {
@@ -145,6 +126,7 @@ impl BlockManager {
             let computed_blocks = self.bs.index(s.computed);
             self.register_full(s, computed_blocks);
         }
+        computed
     }
 
     /// Hashes the sequence's full blocks `0..n` that are not hashed yet (chaining values and
@@ -171,62 +153,20 @@ impl BlockManager {
         }
         self.hash_blocks(prefix, s, upto);
         let (from, bs) = (s.registered, self.bs.get());
-        // The run's blocks, keys, chains and tokens, sliced once: indexed block by block, each
-        // would be bounds checked again.
-        let (blocks, keys) = (&s.table[from..upto], &s.keys[from..upto]);
-        let chains = &s.hashes[from..upto];
-        let tokens = s.tokens[from * bs..upto * bs].chunks_exact(bs);
-        // A run of registrations (a prefill's commit) fetches the lines of the ones ahead while
-        // it writes this one, `REGISTRATIONS_AHEAD` ahead, and the lines of their tokens twice
-        // as far ahead as well. Those are the cold ones: taking the block read its first line
-        // and wrote its state, but nothing touched its tokens since its last registration.
-        // Alternating in one process, a prefill's commit took 1.08-1.12x as long with the
-        // tokens fetched only with the rest, and 1.02-1.05x with them fetched only early. Not
-        // the first: it is written at once (and a decode step prefetched it a pass earlier).
-        let prefetch = |j: usize| {
-            if let (Some(&block), Some(&key)) = (blocks.get(j), keys.get(j)) {
-                prefix.prefetch_registration(block, key);
-                self.gpu.prefetch_state(block);
-            }
-        };
-        let prefetch_tokens = |j: usize| {
-            if let Some(&block) = blocks.get(j) {
-                prefix.prefetch_stored_tokens(block);
-            }
-        };
-        (1..REGISTRATIONS_AHEAD).for_each(prefetch);
-        (REGISTRATIONS_AHEAD..2 * REGISTRATIONS_AHEAD).for_each(prefetch_tokens);
         let mut parent = s.parent_key(from);
-        let run = blocks.iter().zip(keys).zip(chains).zip(tokens);
-        for (j, (((&block, &key), chain), tokens)) in run.enumerate() {
-            prefetch(j + REGISTRATIONS_AHEAD);
-            prefetch_tokens(j + 2 * REGISTRATIONS_AHEAD);
+        for i in from..upto {
+            let (block, key, chain) = (s.table[i], s.keys[i], &s.hashes[i]);
+            let tokens = &s.tokens[i * bs..(i + 1) * bs];
             prefix.register(block, key, parent, chain, tokens, || {
-                self.publish(s, from + j, block, chain, tokens);
+                self.publish(s, i, block, chain, tokens);
             });
             parent = key;
         }
         s.registered = upto;
     }
 
-    /// Registers the sequence's next full block, computed and hashed: a decode step's
-    /// registration, whose lines its first pass prefetched.
-    pub(super) fn register_next(&self, s: &mut Sequence) {
-        let Some(prefix) = &self.prefix else {
-            return;
-        };
-        let (i, bs) = (s.registered, self.bs.get());
-        debug_assert!(i < self.bs.index(s.computed) && i < s.hashes.len());
-        let (block, chain, tokens) = (s.table[i], &s.hashes[i], &s.tokens[i * bs..(i + 1) * bs]);
-        prefix.register(block, s.keys[i], s.parent_key(i), chain, tokens, || {
-            self.publish(s, i, block, chain, tokens);
-        });
-        s.registered = i + 1;
-    }
-
     /// Publishes `s`'s full block `i` (`block`, of `chain` and `tokens`) once its registration
     /// is written: flags it hashed and records its stored event.
-    #[inline(always)]
     fn publish(&self, s: &Sequence, i: usize, block: BlockId, chain: &Chain, tokens: &[Token]) {
         self.gpu.mark_hashed(block);
         self.events.record(|| EventKind::BlockStored {

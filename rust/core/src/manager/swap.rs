@@ -5,8 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::error::invalid;
 use crate::events::EventKind;
-use crate::manager::taking::Takes;
-use crate::manager::{not_loading, visit, BlockManager};
+use crate::manager::{not_loading, visit, BlockManager, Taken};
 use crate::prefix::block_hash_of;
 use crate::sequence::Sequence;
 use crate::{BlockId, Error, PoolKind, SeqId};
@@ -117,19 +116,19 @@ impl BlockManager {
                 needed: order.len(),
                 available,
             })?;
-        let mut takes = Takes::at_least(if to_gpu { order.len() } else { 0 });
+        let mut taken = Taken::default();
         let pairs: Vec<[BlockId; 2]> = order
             .iter()
             .map(|&block| {
                 let target = if to_gpu {
-                    self.take(&mut takes)
+                    self.take(&mut taken)
                 } else {
                     self.cpu.take_reserved().0
                 };
                 [block, target]
             })
             .collect();
-        self.count_evictions(takes.evictions);
+        self.finish_taking(taken.blocks, taken);
         let target_of: HashMap<BlockId, BlockId> = pairs.iter().map(|&[b, t]| (b, t)).collect();
         // Each target starts with one holder; every further reference adds one.
         let mut referenced = HashSet::with_capacity(pairs.len());

@@ -150,11 +150,11 @@ fn reset_races_last_release() {
     });
 }
 
-/// A chunked take (one LRU lock for two blocks) races a single take and a release that makes
-/// one more block FREE: every block is taken once, evicted exactly when it was CACHED, and the
-/// chunk waits for the released block if the count it reserved came from it.
+/// Two takes race a third take and a release that makes one more block FREE: every block is
+/// taken once, evicted exactly when it was CACHED, and a take waits for the released block if
+/// the count it reserved came from it.
 #[test]
-fn chunked_take_races_take_and_release() {
+fn takes_race_take_and_release() {
     loom::model(|| {
         let pool = Arc::new(all_cached(3));
         let held = pool.allocate().unwrap();
@@ -166,11 +166,10 @@ fn chunked_take_races_take_and_release() {
                 pool.take_reserved()
             })
         };
-        let mut chunk = [(0, false); 2];
         while pool.reserve(2).is_err() {
             loom::thread::yield_now();
         }
-        pool.take_reserved_into(&mut chunk);
+        let chunk = [pool.take_reserved(), pool.take_reserved()];
         let single = other.join().unwrap();
         let mut taken: Vec<_> = chunk.iter().chain([&single]).copied().collect();
         taken.sort_unstable();
