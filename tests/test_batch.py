@@ -48,9 +48,9 @@ def test_step_batch_by_hand() -> None:
     table = batch.block_table
     assert table.shape == (2, 16) and table.dtype == np.int32
     assert table[0, :3].tolist() == [0, 1, -1] and table[1, :2].tolist() == [2, -1]
-    # The first step lays the table out: copy it whole.
+    # The first step writes each row's blocks into the 16 columns a new batch has.
     full, index, blocks = batch.take_updates()
-    assert full and index.size == 0 and blocks.size == 0
+    assert not full and index.tolist() == [0, 1, 16] and blocks.tolist() == [0, 1, 2]
     mgr.step_batch(batch, [8, 9])  # sequence 2 fills block 2 and takes block 3
     full, index, blocks = batch.take_updates()
     assert not full and index.dtype == np.int64 and blocks.dtype == np.int32
@@ -107,12 +107,34 @@ def test_errors_name_the_problem_and_change_nothing() -> None:
     mgr.check()
 
 
+def test_membership_and_width_are_as_the_manager_has_them() -> None:
+    mgr = BlockManager(8, 4, hash_key=KEY)
+    batch = Batch()
+    assert batch.width == 16
+    for not_an_id in ("x", -1, 2**64, 1.5, None):
+        assert not_an_id not in batch and not_an_id not in mgr
+
+
+def test_every_sharer_of_a_partial_block_copies_it() -> None:
+    """A fork's two sequences decoding in one step both copy their shared partial block: the
+    first copy holds its source until its forward pass is committed (SEMANTICS.md, `append`)."""
+    mgr = BlockManager(8, 4, hash_key=KEY)
+    admitted(mgr, 1, [1, 2, 3, 4, 5, 6])
+    mgr.step([1], [7])
+    mgr.fork(1, 2)
+    tail = int(mgr.block_table(1)[-1])
+    plan = mgr.step([1, 2], [8, 9])
+    assert plan.copies[:, 0].tolist() == [tail, tail]
+    assert len(set(plan.copies[:, 1].tolist())) == 2
+    mgr.check()
+
+
 def test_an_empty_batch_steps_to_empty_inputs() -> None:
     mgr = BlockManager(8, 4, hash_key=KEY)
     batch = Batch()
     mgr.step_batch(batch, [])
     assert batch.kv_indptr.tolist() == [0] and batch.positions.size == 0
-    assert batch.block_table.shape == (0, 0) and batch.kv_indices.size == 0
+    assert batch.block_table.shape == (0, 16) and batch.kv_indices.size == 0
 
 
 def run_random_batch(seed: int, device: torch.device, triton: bool | None = None) -> None:

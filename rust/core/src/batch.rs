@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use crate::block::BlockSize;
 use crate::error::invalid;
 use crate::plan::Plan;
+use crate::sequence::Place;
 use crate::{BlockId, Error, SeqId};
 
 /// The narrowest table a batch lays out (columns); it doubles when a row needs more.
@@ -35,6 +36,8 @@ pub struct Batch {
     row_of: HashMap<SeqId, usize>,
     /// The table version each row mirrors (0: none yet).
     versions: Vec<u64>,
+    /// Where each row's sequence was found by the last step (checked before use).
+    pub(crate) places: Vec<Option<Place>>,
     /// Entries of each row that hold blocks; the rest are -1.
     pages: Vec<usize>,
     width: usize,
@@ -74,6 +77,7 @@ impl Batch {
             ids: Vec::new(),
             row_of: HashMap::new(),
             versions: Vec::new(),
+            places: Vec::new(),
             pages: Vec::new(),
             width: MIN_WIDTH,
             table: Vec::new(),
@@ -116,6 +120,7 @@ impl Batch {
         self.row_of.insert(seq, self.ids.len());
         self.ids.push(seq);
         self.versions.push(0);
+        self.places.push(None);
         self.pages.push(0);
         self.table.resize(self.table.len() + self.width, PAD);
         self.inputs.clear();
@@ -142,6 +147,7 @@ impl Batch {
             }
             self.ids[row] = self.ids[last];
             self.versions[row] = self.versions[last];
+            self.places[row] = self.places[last];
             self.pages[row] = moved;
             self.row_of.insert(self.ids[row], row);
         }
@@ -151,6 +157,7 @@ impl Batch {
         }
         self.ids.pop();
         self.versions.pop();
+        self.places.pop();
         self.pages.pop();
         self.table.truncate(self.ids.len() * self.width);
         self.inputs.clear();
@@ -162,6 +169,7 @@ impl Batch {
         self.ids.clear();
         self.row_of.clear();
         self.versions.clear();
+        self.places.clear();
         self.pages.clear();
         self.table.clear();
         self.log_full();
@@ -261,6 +269,7 @@ impl Batch {
 
     /// Writes row `row`'s inputs for its sequence of `len` tokens in `blocks` (a table of
     /// version `version`), after rows `0..row`, and makes its table row mirror `blocks`.
+    #[inline(always)]
     pub(crate) fn push(
         &mut self,
         row: usize,
@@ -280,6 +289,7 @@ impl Batch {
 
     /// Makes row `row` mirror `blocks`, a table of version `version`: only the entries past
     /// those it has when it already mirrors that version, else the whole row.
+    #[inline(always)]
     fn sync_row(&mut self, row: usize, blocks: &[BlockId], version: u64) {
         debug_assert!(blocks.len() <= self.width, "fit() widened the table");
         let pages = self.pages[row];
@@ -299,6 +309,7 @@ impl Batch {
     }
 
     /// Writes one entry, logging it if it changed.
+    #[inline(always)]
     fn set(&mut self, row: usize, col: usize, value: i32) {
         let at = row * self.width + col;
         if self.table[at] == value {

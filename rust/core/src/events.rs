@@ -65,22 +65,15 @@ impl EventLog {
         self.enabled
     }
 
-    /// Records an event built by `kind` (not called at all when disabled: the check is inlined
-    /// into the hot paths that record, the rest is not).
-    #[inline(always)]
+    /// Records an event built by `kind` (not called at all when disabled).
     pub(crate) fn record(&self, kind: impl FnOnce() -> EventKind) {
         if self.enabled {
-            self.push(kind());
+            let kind = kind();
+            let mut log = lock(&self.log);
+            let seq_no = log.0;
+            log.0 += 1;
+            log.1.push(Event { seq_no, kind });
         }
-    }
-
-    /// Appends an event under the next sequence number.
-    #[inline(never)]
-    fn push(&self, kind: EventKind) {
-        let mut log = lock(&self.log);
-        let seq_no = log.0;
-        log.0 += 1;
-        log.1.push(Event { seq_no, kind });
     }
 
     /// Removes and returns the pending events.

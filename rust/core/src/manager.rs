@@ -245,6 +245,7 @@ impl BlockManager {
 }
 
 /// Fails if a sequence of `len` tokens cannot take `more`.
+#[inline(always)]
 fn check_room(len: usize, more: usize) -> Result<(), Error> {
     if len + more > MAX_TOKENS {
         return Err(invalid(format!(
@@ -265,6 +266,7 @@ fn one_each(call: &str, seqs: usize, values: usize, what: &str) -> Result<(), Er
 }
 
 /// Fails while the sequence waits for `confirm_loads`.
+#[inline(always)]
 fn not_loading(id: SeqId, s: &Sequence) -> Result<(), Error> {
     if s.loading.is_some() {
         return Err(invalid(format!(
@@ -275,6 +277,7 @@ fn not_loading(id: SeqId, s: &Sequence) -> Result<(), Error> {
 }
 
 /// Fails if queries starting at `start` would skip tokens no plan has computed.
+#[inline(always)]
 fn no_gap(id: SeqId, s: &Sequence, start: usize) -> Result<(), Error> {
     if start > s.planned {
         return Err(invalid(format!(
@@ -294,7 +297,20 @@ fn visit(
     stamp: u64,
     swapped: bool,
 ) -> Result<Place, Error> {
-    let place = batch.find(id).ok_or(Error::UnknownSequence(id))?;
+    visit_hinted(batch, id, None, stamp, swapped)
+}
+
+/// [`visit`], looking where `hint` says first (a persistent batch remembers where its rows'
+/// sequences were).
+#[inline(always)]
+fn visit_hinted(
+    batch: &mut LockedBatch<'_>,
+    id: SeqId,
+    hint: Option<Place>,
+    stamp: u64,
+    swapped: bool,
+) -> Result<Place, Error> {
+    let place = batch.find(id, hint).ok_or(Error::UnknownSequence(id))?;
     let s = batch.at(place);
     if s.stamp == stamp {
         return Err(invalid(format!("sequence {id} appears twice in the batch")));

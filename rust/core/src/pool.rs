@@ -197,30 +197,30 @@ impl BlockPool {
     /// at most once per chunk of blocks (and held for no more than a chunk), not per revival.
     /// Returns how many blocks were acquired, and how many of them were revived.
     pub(crate) fn acquire_hits(&self, hits: &[(BlockId, BlockState)], fill: u32) -> (usize, usize) {
-        let (mut lru, mut revived, mut unsettled) = (None, 0, 0);
+        let (mut lru, mut revived, mut uncounted) = (None, 0, 0);
         for (acquired, &(block, seen)) in hits.iter().enumerate() {
             match self.acquire_under(block, seen, &mut lru) {
                 None => {
-                    self.settle_revivals(lru, unsettled * fill as usize);
+                    self.finish_revivals(lru, uncounted * fill as usize);
                     return (acquired, revived);
                 }
                 Some(Hit::Shared) => {}
                 Some(Hit::Revived) => {
                     revived += 1;
-                    unsettled += 1;
+                    uncounted += 1;
                 }
             }
             if (acquired + 1) % RUN_CHUNK == 0 {
-                self.settle_revivals(lru.take(), unsettled * fill as usize);
-                unsettled = 0;
+                self.finish_revivals(lru.take(), uncounted * fill as usize);
+                uncounted = 0;
             }
         }
-        self.settle_revivals(lru, unsettled * fill as usize);
+        self.finish_revivals(lru, uncounted * fill as usize);
         (hits.len(), revived)
     }
 
     /// One acquisition of [`BlockPool::acquire_hits`], taking the LRU lock into `lru` (if not
-    /// held yet) when the block is CACHED; the caller settles the counters.
+    /// held yet) when the block is CACHED; the caller updates the counters.
     fn acquire_under<'p>(
         &'p self,
         block: BlockId,
@@ -262,7 +262,7 @@ impl BlockPool {
 
     /// Publishes what revivals under `lru` did: the LRU's length (then the lock is let go),
     /// and `fill` tokens stored again.
-    fn settle_revivals(&self, lru: Option<MutexGuard<'_, Lru>>, fill: usize) {
+    fn finish_revivals(&self, lru: Option<MutexGuard<'_, Lru>>, fill: usize) {
         if let Some(lru) = lru {
             self.num_cached.store(lru.len(), Ordering::Relaxed);
         }
@@ -275,19 +275,9 @@ impl BlockPool {
     pub(crate) fn mark_hashed(&self, block: BlockId) {
         // Release: the registration written before (hash, parent, tokens) is visible to lookups
         // that see the flag. Host metadata only: the KV itself is ordered by the GPU streams.
-        let state = &self.states[block as usize];
-        let current = BlockState(state.load(Ordering::Relaxed));
-        debug_assert!(current.refcount() >= 1 && !current.hashed());
-        if current.refcount() == 1 {
-            // The caller is the block's one holder, so nobody else writes its state until this
-            // store: only holders release or share a held block, eviction takes unheld ones,
-            // and a lookup changes only a hashed state. A store (heading the release sequence
-            // as a read-modify-write would) is no locked instruction; a registration's locked
-            // instructions each wait for the stores before them.
-            state.store(current.with_hashed(true).0, Ordering::Release);
-        } else {
-            state.fetch_or(BlockState(0).with_hashed(true).0, Ordering::Release);
-        }
+        let hashed = BlockState(0).with_hashed(true).0;
+        let old = BlockState(self.states[block as usize].fetch_or(hashed, Ordering::Release));
+        debug_assert!(old.refcount() >= 1 && !old.hashed());
     }
 
     /// Counts `tokens` newly written into held blocks.
@@ -301,7 +291,7 @@ impl BlockPool {
         let mut lru = None;
         let released = self.release_under(block, &mut lru);
         let last = usize::from(released != Released::Held);
-        self.settle_releases(lru, last, last * fill as usize);
+        self.finish_releases(lru, last, last * fill as usize);
         released
     }
 
@@ -317,15 +307,15 @@ impl BlockPool {
             }
             handled += 1;
             if handled == RUN_CHUNK {
-                self.settle_releases(lru.take(), last, fill);
+                self.finish_releases(lru.take(), last, fill);
                 (last, fill, handled) = (0, 0, 0);
             }
         }
-        self.settle_releases(lru, last, fill);
+        self.finish_releases(lru, last, fill);
     }
 
     /// One release of [`BlockPool::release_block`], taking the LRU lock into `lru` (if not held
-    /// yet) when the block becomes CACHED; the caller settles the counters.
+    /// yet) when the block becomes CACHED; the caller updates the counters.
     fn release_under<'p>(
         &'p self,
         block: BlockId,
@@ -375,7 +365,7 @@ impl BlockPool {
 
     /// Publishes what releases under `lru` did: the LRU's length (then the lock is let go),
     /// `fill` tokens no longer stored, and `last` blocks available again.
-    fn settle_releases(&self, lru: Option<MutexGuard<'_, Lru>>, last: usize, fill: usize) {
+    fn finish_releases(&self, lru: Option<MutexGuard<'_, Lru>>, last: usize, fill: usize) {
         if let Some(lru) = lru {
             self.num_cached.store(lru.len(), Ordering::Relaxed);
         }

@@ -45,7 +45,7 @@ pub(crate) fn block_hash_of(chain: &Chain) -> BlockHash {
 const SECRET: usize = 192;
 
 /// Bytes of the block a hash reads from the stack; longer blocks are packed on the heap.
-const STACK_BYTES: usize = 16 + 4 * 64;
+const STACK_BYTES: usize = 16 + 4 * 32;
 
 /// Words of a block's registration: what a lookup verifies (`[key_lo, key_hi, parent_key_lo,
 /// parent_key_hi]`), then the BLAKE3 chaining value a hit reads next, then the block's tokens,
@@ -301,7 +301,6 @@ impl PrefixCache {
     /// still that incarnation. (The state's acquire load makes that incarnation's registration
     /// visible; contents read from a later one imply a generation `acquire_hits` rejects.
     /// Model-checked below.)
-    #[inline]
     pub(crate) fn find(
         &self,
         pool: &BlockPool,
@@ -402,7 +401,6 @@ impl PrefixCache {
     /// mapped (or, against all odds for keyed hashes, its region of the map is full); then
     /// `publish` (flag the block, record the event) runs under the region's lock once the
     /// contents are written, so a reset or an eviction of the same key is ordered with it.
-    #[inline]
     pub(crate) fn register(
         &self,
         block: BlockId,

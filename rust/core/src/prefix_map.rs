@@ -137,7 +137,6 @@ pub(crate) struct Region<'a> {
 impl Region<'_> {
     /// The slot of `key` (`Ok`), or the empty slot where it would go (`Err`; `None` if the
     /// region is full, or `key` is not of this region).
-    #[inline]
     fn find(
         &self,
         key: MapKey,
@@ -166,7 +165,6 @@ impl Region<'_> {
     }
 
     /// The empty slot `key` would take, if `key` is not mapped and the region has room.
-    #[inline]
     pub(crate) fn vacancy(
         &self,
         key: MapKey,
@@ -183,7 +181,6 @@ impl Region<'_> {
 
     /// Unmaps `key` if it maps to `block`; says whether it did. The entries after it move back
     /// to where a probe still finds them.
-    #[inline]
     pub(crate) fn remove(&mut self, key: MapKey, block: BlockId) -> bool {
         let map = self.map;
         if map.region_of(key) != self.region {

@@ -14,8 +14,10 @@ const SHARDS: usize = 32;
 const _: () = assert!(SHARDS.is_power_of_two() && SHARDS <= u32::BITS as usize);
 
 /// One sequence: its tokens, its block table, the hashes of its full blocks and where its KV
-/// stands in the lifecycle (pending -> computed).
+/// stands in the lifecycle (pending -> computed). The fields every decode step reads come
+/// first, so they share the struct's first cache lines.
 #[derive(Clone, Debug)]
+#[repr(C)]
 pub(crate) struct Sequence {
     pub(crate) tokens: Vec<Token>,
     /// GPU block ids, or CPU block ids while `swapped`.
@@ -248,7 +250,7 @@ impl SequenceMap {
 }
 
 /// Where a live sequence of a [`LockedBatch`] is: found once, then reached without a lookup.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Place {
     shard: u8,
     index: u32,
@@ -261,15 +263,27 @@ pub(crate) struct LockedBatch<'a> {
 }
 
 impl LockedBatch<'_> {
+    #[inline(always)]
     fn shard(&mut self, shard: usize) -> &mut Shard {
         self.guards[shard]
             .as_mut()
             .expect("the batch locked this sequence's shard")
     }
 
-    /// Where the sequence is, if live. Valid until a sequence is added or removed.
-    pub(crate) fn find(&mut self, id: SeqId) -> Option<Place> {
+    /// Where the sequence is, if live, trying `hint` (where it was found before) first. Valid
+    /// until a sequence is added or removed.
+    #[inline(always)]
+    pub(crate) fn find(&mut self, id: SeqId, hint: Option<Place>) -> Option<Place> {
         let shard = shard_of(id);
+        if let Some(hint) = hint.filter(|hint| hint.shard as usize == shard) {
+            let seqs = &self.shard(shard).seqs;
+            if seqs
+                .get(hint.index as usize)
+                .is_some_and(|(at, _)| *at == id)
+            {
+                return Some(hint);
+            }
+        }
         let index = *self.shard(shard).index.get(&id)?;
         Some(Place {
             shard: shard as u8,
@@ -278,6 +292,7 @@ impl LockedBatch<'_> {
     }
 
     /// The sequence at `place` (from [`LockedBatch::find`]).
+    #[inline(always)]
     pub(crate) fn at(&mut self, place: Place) -> &mut Sequence {
         &mut self.shard(place.shard as usize).seqs[place.index as usize].1
     }

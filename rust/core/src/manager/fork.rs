@@ -26,7 +26,7 @@ impl BlockManager {
                 "sequence {parent}: confirm its swap-in before forking it"
             )));
         }
-        self.settle(self.auto_commit(p));
+        self.count_computed(self.auto_commit(p));
         if p.computed != p.tokens.len() {
             return Err(invalid(format!(
                 "sequence {parent}: only {} of its {} tokens have computed KV; commit its forward \

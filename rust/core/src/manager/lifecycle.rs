@@ -65,9 +65,9 @@ impl BlockManager {
         for (b, &member) in members.iter().enumerate() {
             let s = batch.at(member);
             let n = upto.map_or(s.planned, |u| u[b]);
-            computed += self.commit_unsettled(s, n);
+            computed += self.commit_uncounted(s, n);
         }
-        self.settle(computed);
+        self.count_computed(computed);
         Ok(())
     }
 
@@ -78,24 +78,25 @@ impl BlockManager {
     }
 
     /// With `auto_commit`, a call naming a sequence first commits its latest plan. Returns the
-    /// tokens that became computed, for [`BlockManager::settle`].
+    /// tokens that became computed, for [`BlockManager::count_computed`].
+    #[inline(always)]
     pub(super) fn auto_commit(&self, s: &mut Sequence) -> u64 {
         if self.config.auto_commit {
-            self.commit_unsettled(s, s.planned)
+            self.commit_uncounted(s, s.planned)
         } else {
             0
         }
     }
 
-    /// Commits `s` up to `upto` and settles the token gauges.
+    /// Commits `s` up to `upto` and counts them in the token gauges.
     pub(super) fn commit_to(&self, s: &mut Sequence, upto: usize) {
-        let computed = self.commit_unsettled(s, upto);
-        self.settle(computed);
+        let computed = self.commit_uncounted(s, upto);
+        self.count_computed(computed);
     }
 
     /// Moves `tokens` from the pending gauge to the computed one: once per call, not per
     /// sequence, so a batch pays two atomic additions however large it is.
-    pub(super) fn settle(&self, tokens: u64) {
+    pub(super) fn count_computed(&self, tokens: u64) {
         if tokens > 0 {
             Counters::add(&self.counters.computed_tokens, tokens);
             Counters::sub(&self.counters.pending_tokens, tokens);
@@ -104,8 +105,9 @@ impl BlockManager {
 
     /// Marks the sequence's KV computed up to `upto` (at most `planned`), completes the copies
     /// of committed plans and registers the newly computed full blocks. Returns the tokens that
-    /// became computed; the caller settles them.
-    fn commit_unsettled(&self, s: &mut Sequence, upto: usize) -> u64 {
+    /// became computed; the caller counts them ([`BlockManager::count_computed`]).
+    #[inline(always)]
+    fn commit_uncounted(&self, s: &mut Sequence, upto: usize) -> u64 {
         debug_assert!(upto <= s.planned);
         let mut computed = 0;
         if upto > s.computed {
@@ -122,9 +124,9 @@ impl BlockManager {
                 !done
             });
         }
-        if !s.swapped && s.swap_source.is_none() && s.loading.is_none() {
-            let computed_blocks = self.bs.index(s.computed);
-            self.register_full(s, computed_blocks);
+        let full = self.bs.index(s.computed);
+        if full > s.registered && !s.swapped && s.swap_source.is_none() && s.loading.is_none() {
+            self.register_full(s, full);
         }
         computed
     }

@@ -5,7 +5,9 @@
 use crate::batch::Batch;
 use crate::block::BlockSize;
 use crate::error::invalid;
-use crate::manager::{check_room, no_gap, not_loading, one_each, visit, BlockManager, Taken};
+use crate::manager::{
+    check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager, Taken,
+};
 use crate::plan::Plan;
 use crate::sequence::{PendingCopy, Place, Sequence};
 use crate::stats::Counters;
@@ -25,7 +27,7 @@ impl BlockManager {
         }
         not_loading(seq, s)?;
         check_room(s.tokens.len(), tokens.len())?;
-        self.settle(self.auto_commit(s));
+        self.count_computed(self.auto_commit(s));
         let needed = self.blocks_to_append(s, tokens.len());
         self.reserve_gpu(needed)?;
         let mut taken = Taken::default();
@@ -40,7 +42,11 @@ impl BlockManager {
     /// then writes the plan for one query token per sequence into `plan`. On an error `plan`
     /// is left empty.
     pub fn step(&self, seqs: &[SeqId], tokens: &[Token], plan: &mut Plan) -> Result<(), Error> {
-        let mut rows = Listed { seqs, plan };
+        let mut rows = Listed {
+            seqs,
+            places: vec![None; seqs.len()],
+            plan,
+        };
         self.decode(&mut rows, tokens)
             .inspect_err(|_| rows.plan.begin(0, 0, 0, self.bs))
     }
@@ -71,45 +77,44 @@ impl BlockManager {
         one_each(R::CALL, n, tokens.len(), "tokens")?;
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(rows.seqs());
-        let mut places = Vec::with_capacity(n);
-        let mut copying = false;
-        for &id in rows.seqs() {
-            let place = visit(&mut batch, id, stamp, false)?;
+        let (mut copying, mut needed, mut widest) = (false, 0, 0);
+        for row in 0..n {
+            let id = rows.seqs()[row];
+            let place = visit_hinted(&mut batch, id, rows.hint(row), stamp, false)?;
+            rows.remember(row, place);
             let s = batch.at(place);
             not_loading(id, s)?;
             check_room(s.tokens.len(), 1)?;
             no_gap(id, s, s.tokens.len())?;
             copying |= !s.copying.is_empty();
-            places.push(place);
-        }
-        // Completing a copy releases its source, which may be another row's tail that then
-        // needs no copy-on-write: those commits come before the count.
-        if copying {
-            for &place in &places {
-                let s = batch.at(place);
-                if !s.copying.is_empty() {
-                    self.settle(self.auto_commit(s));
-                }
-            }
-        }
-        let (mut needed, mut widest) = (0, 0);
-        for &place in &places {
-            let s = batch.at(place);
             needed += self.blocks_to_append(s, 1);
             widest = widest.max(self.bs.pages(s.tokens.len() + 1));
+        }
+        // Completing a copy releases its source, which may be another row's tail that then
+        // needs no copy-on-write: the blocks are counted again after those commits.
+        if copying {
+            for row in 0..n {
+                let s = batch.at(rows.place(row));
+                if !s.copying.is_empty() {
+                    self.count_computed(self.auto_commit(s));
+                }
+            }
+            needed = (0..n)
+                .map(|row| self.blocks_to_append(batch.at(rows.place(row)), 1))
+                .sum();
         }
         rows.fit(widest)?;
         self.reserve_gpu(needed)?;
         rows.begin(self.bs);
         let (mut taken, mut computed) = (Taken::default(), 0);
-        for (row, (&place, &token)) in places.iter().zip(tokens).enumerate() {
-            let s = batch.at(place);
+        for (row, &token) in tokens.iter().enumerate() {
+            let s = batch.at(rows.place(row));
             computed += self.auto_commit(s);
             self.append_reserved(s, &[token], &mut taken);
             rows.push(row, s, self.bs);
             hand_over_copies(s, rows.plan());
         }
-        self.settle(computed);
+        self.count_computed(computed);
         self.finish_taking(needed, taken);
         self.gpu.add_stored(n);
         Counters::add(&self.counters.pending_tokens, n as u64);
@@ -145,12 +150,13 @@ impl BlockManager {
             plan.push(&s.table, s.tokens.len(), q as usize, self.bs);
             hand_over_copies(s, plan);
         }
-        self.settle(computed);
+        self.count_computed(computed);
         Ok(())
     }
 
     /// Blocks an append of `count` tokens takes: a copy-on-write of a shared partial last
     /// block, plus the new blocks.
+    #[inline(always)]
     fn blocks_to_append(&self, s: &Sequence, count: usize) -> usize {
         let bs = self.bs;
         usize::from(self.must_copy_tail(s)) + bs.pages(s.tokens.len() + count) - s.table.len()
@@ -158,6 +164,7 @@ impl BlockManager {
 
     /// Whether the last block is partial and shared (by another sequence, or as the source of
     /// a copy not yet done), so writing to it needs a private copy.
+    #[inline(always)]
     fn must_copy_tail(&self, s: &Sequence) -> bool {
         s.shared_tail
             && self.bs.offset(s.tokens.len()) != 0
@@ -170,6 +177,7 @@ impl BlockManager {
 
     /// Appends with blocks already reserved. The caller counts the appended tokens into the
     /// pool's stored tokens (once per batch).
+    #[inline(always)]
     fn append_reserved(&self, s: &mut Sequence, tokens: &[Token], taken: &mut Taken) {
         if s.shared_tail {
             // A partial block gains holders only through forks and swaps of sequences holding
@@ -180,7 +188,9 @@ impl BlockManager {
             }
             s.shared_tail = false;
         }
-        s.tokens.extend_from_slice(tokens);
+        for &token in tokens {
+            s.tokens.push(token);
+        }
         let pages = self.bs.pages(s.tokens.len());
         while s.table.len() < pages {
             s.table.push(self.take(taken));
@@ -208,12 +218,15 @@ impl BlockManager {
 
 /// Moves the sequence's recorded copies into the plan that computes its KV up to its end, and
 /// marks its tokens planned.
+#[inline(always)]
 fn hand_over_copies(s: &mut Sequence, plan: &mut Plan) {
     let len = s.tokens.len();
-    for mut copy in s.copies.drain(..) {
-        plan.push_copy(copy.src, copy.dst);
-        copy.until = len;
-        s.copying.push(copy);
+    if !s.copies.is_empty() {
+        for mut copy in s.copies.drain(..) {
+            plan.push_copy(copy.src, copy.dst);
+            copy.until = len;
+            s.copying.push(copy);
+        }
     }
     s.planned = len;
 }
@@ -224,6 +237,14 @@ trait DecodeRows {
     const CALL: &'static str;
     /// The sequence of each row.
     fn seqs(&self) -> &[SeqId];
+    /// Where row `row`'s sequence was found last, if known (a hint, checked before use).
+    fn hint(&self, row: usize) -> Option<Place>;
+    /// Remembers where this step found row `row`'s sequence.
+    fn remember(&mut self, row: usize, place: Place);
+    /// Where this step found row `row`'s sequence (once remembered).
+    fn place(&self, row: usize) -> Place {
+        self.hint(row).expect("the step found every row's sequence")
+    }
     /// Makes room for rows of up to `pages` blocks, before anything changes.
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
     /// Starts the inputs of a step over every row.
@@ -237,6 +258,7 @@ trait DecodeRows {
 /// A list of sequences with a one-shot plan: the whole CSR is written each step.
 struct Listed<'a> {
     seqs: &'a [SeqId],
+    places: Vec<Option<Place>>,
     plan: &'a mut Plan,
 }
 
@@ -244,6 +266,12 @@ impl DecodeRows for Listed<'_> {
     const CALL: &'static str = "step";
     fn seqs(&self) -> &[SeqId] {
         self.seqs
+    }
+    fn hint(&self, row: usize) -> Option<Place> {
+        self.places[row]
+    }
+    fn remember(&mut self, row: usize, place: Place) {
+        self.places[row] = Some(place);
     }
     fn fit(&mut self, _pages: usize) -> Result<(), Error> {
         Ok(())
@@ -266,12 +294,20 @@ impl DecodeRows for Batch {
     fn seqs(&self) -> &[SeqId] {
         Batch::seqs(self)
     }
+    #[inline(always)]
+    fn hint(&self, row: usize) -> Option<Place> {
+        self.places[row]
+    }
+    fn remember(&mut self, row: usize, place: Place) {
+        self.places[row] = Some(place);
+    }
     fn fit(&mut self, pages: usize) -> Result<(), Error> {
         Batch::fit(self, pages)
     }
     fn begin(&mut self, bs: BlockSize) {
         Batch::begin(self, bs);
     }
+    #[inline(always)]
     fn push(&mut self, row: usize, s: &Sequence, bs: BlockSize) {
         Batch::push(self, row, &s.table, s.version, s.tokens.len(), bs);
     }

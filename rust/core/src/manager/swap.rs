@@ -102,7 +102,7 @@ impl BlockManager {
         }
         if !to_gpu {
             for &id in seqs {
-                self.settle(self.auto_commit(batch.get(id).expect("validated above")));
+                self.count_computed(self.auto_commit(batch.get(id).expect("validated above")));
             }
         }
         let (to, kind) = if to_gpu {
