@@ -50,19 +50,9 @@ python3 dist/device-kit/run_device_check.py --install-only --target "$KIT_TARGET
 export PAGEDKV_FLASHINFER_SITE="$KIT_TARGET"
 
 step "benchmark smoke run (figures only; targets are reported, not enforced)"
-python3 benches/bench_step.py --quick --breakdown
-# Its decode loop replayed beside a copy of its own compiled module, in one process.
-SELF_BUILD="$(mktemp -d)"
-mkdir "$SELF_BUILD/pagedkv"
-cp "$(python3 -c 'import pagedkv, pathlib; print(next(pathlib.Path(pagedkv.__file__).parent.glob("_core*.so")))')" "$SELF_BUILD/pagedkv/"
-python3 benches/bench_step.py --quick --against "$SELF_BUILD" --in-process --rounds 2
-rm -rf "$SELF_BUILD"
+python3 benches/bench_step.py --quick
+python3 benches/bench_events.py --quick
 python3 benches/bench_tier.py --quick
-# Builds this tree's decode loop and HEAD's into one binary (the two are the same code here).
-python3 benches/compare.py --rev HEAD --in-process --rounds 8
-# HEAD with its own bench sources, as for a revision whose API this tree's benches outgrew.
-python3 benches/compare.py --rev HEAD --bench manager --own-benches --filter 'append/1_token' \
-    --pair 'append=append' --rounds 1
 
 step "python: pytest"
 python3 -m pytest -q

@@ -11,11 +11,11 @@ use crate::BLOCK_SIZE;
 use pagedkv::{Batch, BlockManager, Plan, SeqId, Token};
 
 /// Sequences in the batch.
-pub const BATCH: usize = 256;
+const BATCH: usize = 256;
 /// Prompt tokens of each sequence (give or take 8).
-pub const PROMPT: usize = 500;
+const PROMPT: usize = 500;
 /// Decode steps before the batch is replaced.
-pub const MAX_STEPS: usize = 256;
+const MAX_STEPS: usize = 256;
 
 /// How a step is taken: the one-shot `step` into a `Plan` (the whole CSR each step), or
 /// `step_batch` on a persistent `Batch` (only what changed).
@@ -27,10 +27,10 @@ pub enum Stepping {
 
 /// A decode batch on a manager, stepped by the benches.
 pub struct Decoding {
-    pub mgr: Arc<BlockManager>,
-    pub seqs: Vec<SeqId>,
-    pub plan: Plan,
-    pub batch: Batch,
+    mgr: Arc<BlockManager>,
+    seqs: Vec<SeqId>,
+    plan: Plan,
+    batch: Batch,
     tokens: Tokens,
     next_id: SeqId,
     steps: usize,
@@ -60,7 +60,7 @@ impl Decoding {
     }
 
     /// Frees the running sequences, then admits and prefills a new batch of them.
-    pub fn admit(&mut self) {
+    fn admit(&mut self) {
         for &s in &self.seqs {
             self.mgr.free(s).unwrap();
         }
@@ -95,44 +95,6 @@ impl Decoding {
         .unwrap();
     }
 
-    /// Times the first `step_batch` after each of `iters` fresh admissions: its auto-commit
-    /// confirms the prefill and registers every prompt's full blocks, and it fills every row of
-    /// the batch's table. Admissions are not timed.
-    #[allow(dead_code)] // the manager bench's; the admission bench includes this file too
-    pub fn time_first_steps(&mut self, iters: u64) -> Duration {
-        let mut elapsed = Duration::ZERO;
-        for _ in 0..iters {
-            self.admit();
-            let tokens = self.tokens.take(BATCH);
-            let start = Instant::now();
-            self.step(Stepping::Persistent, &tokens);
-            elapsed += start.elapsed();
-            black_box(&self.batch);
-            self.steps = 1;
-        }
-        elapsed
-    }
-
-    /// Runs `iters` `step_batch` steps with `between` (every word of it) written before each,
-    /// as an engine's own work between two steps (scheduler, sampler, interpreter) would; returns
-    /// the time spent stepping (the writes and re-admissions are not timed).
-    #[allow(dead_code)] // the manager bench's; the admission bench includes this file too
-    pub fn time_cold(&mut self, iters: u64, between: &mut [u64]) -> Duration {
-        let mut elapsed = Duration::ZERO;
-        let tokens = self.tokens.take(BATCH);
-        for i in 0..iters {
-            for word in between.iter_mut() {
-                *word = word.wrapping_add(i);
-            }
-            black_box(&between);
-            let start = Instant::now();
-            self.step(Stepping::Persistent, &tokens);
-            elapsed += start.elapsed();
-            self.advance(1);
-        }
-        elapsed
-    }
-
     /// Counts `steps` more steps of the running batch, replacing it once it took its last.
     fn advance(&mut self, steps: usize) {
         self.steps += steps;
@@ -143,27 +105,10 @@ impl Decoding {
 
     /// Runs `iters` steps; returns the time spent stepping (re-admissions are not timed).
     pub fn time(&mut self, iters: u64, how: Stepping) -> Duration {
-        self.time_steps(iters, how, true)
-    }
-
-    /// Runs `iters` decode steps of the persistent batch, with each batch's first step (which
-    /// commits the prefill) taken untimed and not counted; returns the time spent stepping.
-    #[allow(dead_code)] // the manager bench's; the admission bench includes this file too
-    pub fn time_decode(&mut self, iters: u64) -> Duration {
-        self.time_steps(iters, Stepping::Persistent, false)
-    }
-
-    /// Runs `iters` steps; without `with_first`, each batch's first step runs untimed and is not
-    /// counted. Returns the time spent in the counted ones.
-    fn time_steps(&mut self, iters: u64, how: Stepping, with_first: bool) -> Duration {
         let mut elapsed = Duration::ZERO;
         let mut left = iters as usize;
         while left > 0 {
             let tokens = self.tokens.take(BATCH);
-            if self.steps == 0 && !with_first {
-                self.step(how, &tokens);
-                self.advance(1);
-            }
             let chunk = left.min(MAX_STEPS - self.steps);
             let start = Instant::now();
             for _ in 0..chunk {

@@ -35,17 +35,11 @@ pub fn show_us(name: &str, what: &str) {
     }
 }
 
-/// Prints `<what> as a fraction of its memory-bound <bound>: <fraction>` for each `(name,
-/// limit, what)`, the limit's time over the figure's, when criterion ran both.
-#[allow(dead_code)] // each bench includes this file; the pool bench prints ratios only
-pub fn show_fractions(bound: &str, figures: &[(&str, &str, &str)]) {
-    for &(name, limit, what) in figures {
-        if let (Some(t), Some(limit)) = (mean_ns(name), mean_ns(limit)) {
-            println!(
-                "{what} as a fraction of its memory-bound {bound}: {:.3}",
-                limit / t
-            );
-        }
+/// Prints `<what>: <ratio>x the time` of `name` over its `baseline`, when criterion ran both.
+#[allow(dead_code)] // each bench includes this file; the pool bench prints its own ratios
+pub fn show_ratio(name: &str, baseline: &str, what: &str) {
+    if let (Some(t), Some(base)) = (mean_ns(name), mean_ns(baseline)) {
+        println!("{what}: {:.2}x the time", t / base);
     }
 }
 
