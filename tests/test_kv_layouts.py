@@ -9,6 +9,8 @@ combinations are refused with a message that names them.
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -381,3 +383,10 @@ def test_run_checks_the_cache_layout_and_dtype() -> None:
         mla.run(
             torch.zeros(1, 4, 8), KVCache(1, 2, 4, 1, 8, torch.float32, layout="MLA", rope_dim=4), 0
         )
+
+
+def test_readme_example_runs() -> None:
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    match = re.search(r"## KV layouts and dtypes\n.*?```python\n(.*?)```", readme.read_text(), re.S)
+    assert match, "the README's layouts section has a Python example"
+    exec(compile(match.group(1), "README layouts example", "exec"), {})
