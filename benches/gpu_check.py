@@ -17,7 +17,11 @@ Triton by default) it measures:
 6. host time of `plan` per step (decode and mixed);
 7. a persistent batch of a real `BlockManager` (256 sequences, 4K contexts, decode steps):
    attention planned with the CSR built on the device from the batch's table
-   (`plan(batch, table=...)`) must equal the host CSR's exactly, with the host time of both.
+   (`plan(batch, table=...)`) must equal the host CSR's exactly, with the host time of both;
+8. KV layouts and dtypes (`LAYOUTS`: HND, float8 e4m3/e5m2 with scales, MLA 512 + 64 in
+   bfloat16 and e4m3): decode and mixed steps against the torch reference on the same cache,
+   and decode bandwidth at batch 64, context 4K (bytes the layout stores per token). A
+   combination a backend cannot run is listed with the reason, not failed.
 
 Everything lands in one table; the exit status is 0 only when every check passes. Run:
 ``python benches/gpu_check.py`` (``--quick`` skips the 16K contexts and shortens loops;
@@ -47,6 +51,7 @@ from pagedkv.attention import (
     plan_from_tables,
     random_tables,
 )
+from pagedkv.attention._select import unfit_reason
 from pagedkv.kv_cache import KVCache
 
 HQ, HKV, DIM, BS = 32, 8, 128, 16
@@ -390,6 +395,114 @@ def print_table() -> None:
         print(line.format(*c).rstrip())
 
 
+@dataclass(frozen=True)
+class LayoutCase:
+    """A cache format: layout, KV dtype, the queries' dtype, heads and dims."""
+
+    name: str
+    layout: str
+    kv_dtype: torch.dtype
+    dtype: torch.dtype = DTYPE
+    hq: int = HQ
+    hkv: int = HKV
+    dim: int = DIM
+    rope_dim: int = 0
+
+
+LAYOUTS = (
+    LayoutCase("HND bf16", "HND", DTYPE),
+    LayoutCase("NHD e4m3", "NHD", torch.float8_e4m3fn),
+    LayoutCase("HND e4m3", "HND", torch.float8_e4m3fn),
+    LayoutCase("NHD e5m2 (fp16 q)", "NHD", torch.float8_e5m2, torch.float16),
+    LayoutCase("MLA bf16", "MLA", DTYPE, hq=16, hkv=1, dim=512, rope_dim=64),
+    LayoutCase("MLA e4m3", "MLA", torch.float8_e4m3fn, hq=16, hkv=1, dim=512, rope_dim=64),
+)
+
+
+def layout_setup(
+    backend: str, lc: LayoutCase, num_blocks: int
+) -> tuple[PagedAttention, PagedAttention, KVCache]:
+    """The backend's and the reference's attention for `lc`, and a random cache of it."""
+    fp8 = lc.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    cache = KVCache(
+        1,
+        num_blocks,
+        BS,
+        lc.hkv,
+        lc.dim,
+        lc.kv_dtype,
+        "cuda",
+        layout=lc.layout,  # type: ignore[arg-type]
+        rope_dim=lc.rope_dim,
+        scales=[[0.02, 0.03]] if fp8 else None,
+    )
+    cache.layer(0).copy_(torch.randn(cache.layer(0).shape, device="cuda").mul_(8).to(lc.kv_dtype))
+    attns = [
+        PagedAttention(
+            lc.hq,
+            lc.hkv,
+            lc.dim,
+            BS,
+            name,
+            device="cuda",
+            dtype=lc.dtype,  # type: ignore[arg-type]
+            kv_dtype=lc.kv_dtype,
+            layout=lc.layout,
+            rope_dim=lc.rope_dim,  # type: ignore[arg-type]
+        )
+        for name in (backend, "torch")
+    ]
+    return attns[0], attns[1], cache
+
+
+def check_layouts(backend: str, seed: int, copy_bw: float) -> None:
+    """Every `LAYOUTS` case: decode and mixed against the reference, then decode bandwidth."""
+    rng = np.random.default_rng(seed)
+    kv = [int(x) for x in rng.integers(1, 2000, 16)]
+    steps = {"decode": [1] * 16, "mixed": [1 if i % 3 else min(k, 200) for i, k in enumerate(kv)]}
+    for lc in LAYOUTS:
+        probe = PagedAttention(
+            lc.hq,
+            lc.hkv,
+            lc.dim,
+            BS,
+            "torch",
+            device="cuda",
+            dtype=lc.dtype,
+            kv_dtype=lc.kv_dtype,
+            layout=lc.layout,
+            rope_dim=lc.rope_dim,  # type: ignore[arg-type]
+        )
+        why = unfit_reason(backend, probe.spec)
+        if why is not None:
+            record("layouts", backend, lc.name, f"not run: {why}"[:160], None)
+            continue
+        num_blocks = sum(math.ceil(k / BS) for k in kv) + 64
+        attn, ref, cache = layout_setup(backend, lc, num_blocks)
+        for step, q_lens in steps.items():
+            plan = make_plan(kv, q_lens, BS, num_blocks, seed)
+            q = torch.randn(sum(q_lens), lc.hq, lc.dim + lc.rope_dim, device="cuda").to(lc.dtype)
+            outs = []
+            for a in (attn, ref):
+                a.plan(plan)
+                outs.append(a.run(q, cache, 0))
+            finite = bool(torch.isfinite(outs[0]).all())
+            rel = rel_error(outs[0], outs[1])
+            value = f"rel_l2 {rel:.1e}" + ("" if finite else " NON-FINITE")
+            ok = finite and rel <= REL_ERR_BOUND
+            record("layouts", backend, f"{lc.name} {step}", value, ok)
+        batch, ctx = 64, 4096
+        num_blocks = batch * ctx // BS
+        attn, _, cache = layout_setup(backend, lc, num_blocks)
+        attn.plan(make_plan([ctx] * batch, [1] * batch, BS, num_blocks, seed=1))
+        q = torch.randn(batch, lc.hq, lc.dim + lc.rope_dim, device="cuda").to(lc.dtype)
+        t = loop_seconds(lambda q=q, a=attn, c=cache: a.run(q, c, 0), calls=20)
+        bw = batch * ctx * cache.bytes_per_token / t
+        speed = f"{t * 1e6:.0f} us, {bw / 1e9:.0f} GB/s = {bw / copy_bw:.2f} x copy"
+        record("layout bw", backend, f"{lc.name} batch {batch} ctx 4K", speed, None)
+        del cache
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="pagedkv GPU check (backends vs reference)")
     parser.add_argument("--quick", action="store_true", help="skip the 16K contexts")
@@ -424,6 +537,7 @@ def main() -> int:
             ("plan host", partial(bench_mixed_plan, backend)),
             ("persistent", partial(check_persistent_batch, backend)),
             ("decode bw", partial(bench_decode, backend, args.quick, copy_bw)),
+            ("layouts", partial(check_layouts, backend, args.seed, copy_bw)),
         ]
         for name, step in steps:
             try:

@@ -1,4 +1,8 @@
-"""Continuous batching with pagedkv: a `transformers` Llama's own weights on a paged KV cache.
+"""Continuous batching with pagedkv: a `transformers` model's own weights on a paged KV cache.
+
+Llama-style models keep per-head K and V (`PagedLlama`); DeepSeek-V3-style models keep MLA's
+compressed latent and its rope part, one row per token, and attend in absorbed form
+(`PagedDeepseek`). `kv_dtype=torch.float8_e4m3fn` (with `kv_scales`) stores either in float8.
 
 `generate(model, requests)` runs greedy decoding for many requests at once. Each step one batch
 holds whatever is ready: new prompts (prefill, in chunks if asked), prompts that hit the prefix
@@ -8,8 +12,9 @@ to a shared partial block triggers copy-on-write. When the GPU pool runs out, th
 sequences are swapped to a CPU cache and swapped back in later. With a `store`
 (`pagedkv.tier`), computed blocks are saved to it and prompts load the blocks it holds.
 
-Run it: ``python examples/continuous_batching.py`` (a small random Llama, no download);
-``--redis redis://127.0.0.1:6379/0`` shares prefixes through a Redis server.
+Run it: ``python examples/continuous_batching.py`` (a small random Llama, no download;
+``--model deepseek`` a small random DeepSeek-V3 on an MLA cache, ``--kv-dtype fp8`` a float8
+cache); ``--redis redis://127.0.0.1:6379/0`` shares prefixes through a Redis server.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
 from pagedkv import BlockManager, OutOfBlocks, Plan
 from pagedkv.attention import BackendName, PagedAttention
 from pagedkv.kv_cache import KVCache
+from pagedkv.kv_layout import Layout
 from pagedkv.tier import KVTier, Store, TierStats
 
 
@@ -109,12 +116,97 @@ class PagedLlama:
         return logits
 
 
+class PagedDeepseek:
+    """Runs a `DeepseekV3ForCausalLM`'s modules token-packed, with MLA over a latent cache.
+
+    Attention runs in absorbed form: each head's K up-projection is folded into its query
+    (`q_nope @ W_UK`, latent-wide), so the cache holds only the normalized latent and the
+    rotated rope part; the attention output, still a latent, goes through the V up-projection.
+    """
+
+    def __init__(self, model: DeepseekV3ForCausalLM, cache: KVCache, attn: PagedAttention) -> None:
+        cfg = model.config
+        self.model = model
+        self.cache = cache
+        self.attn = attn
+        self.num_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.rank = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.kv_lora_rank,
+        )
+        self.rotate = (
+            deepseek.apply_rotary_pos_emb_interleave
+            if cfg.rope_interleave
+            else deepseek.apply_rotary_pos_emb
+        )
+        # Per layer: W_UK [heads, nope, rank] and W_UV [heads, v_head_dim, rank].
+        self.up = [
+            layer.self_attn.kv_b_proj.weight.view(self.num_heads, -1, self.rank).split(
+                [self.nope, cfg.v_head_dim], dim=1
+            )
+            for layer in model.model.layers
+        ]
+
+    def forward(self, input_ids: torch.Tensor, plan: Plan, last_rows: torch.Tensor) -> torch.Tensor:
+        """Logits at `last_rows` of the step's packed tokens; writes every token's latent."""
+        inner = self.model.model
+        positions = torch.from_numpy(plan.positions).to(input_ids.device, torch.int64)
+        n = input_ids.shape[0]
+        h = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(h, positions[None, :])
+        slots = self.cache.slot_tensor(plan)
+        self.attn.plan(plan)
+        for index, layer in enumerate(inner.layers):
+            sa = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = (
+                sa.q_proj(x)
+                if sa.q_lora_rank is None
+                else sa.q_b_proj(sa.q_a_layernorm(sa.q_a_proj(x)))
+            )
+            q_nope, q_rot = q.view(n, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
+            latent, k_rot = sa.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+            q_rot, k_rot = self.rotate(q_rot, k_rot[:, None], cos[0], sin[0], unsqueeze_dim=1)
+            self.cache.write_latent(index, sa.kv_a_layernorm(latent), k_rot[:, 0], slots)
+            w_uk, w_uv = self.up[index]
+            q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+            out = self.attn.run(torch.cat([q_latent, q_rot], dim=-1), self.cache, index)
+            values = torch.einsum("nhr,hvr->nhv", out, w_uv)
+            h = h + sa.o_proj(values.reshape(n, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits: torch.Tensor = self.model.lm_head(inner.norm(h[last_rows]))
+        return logits
+
+
+@dataclass(frozen=True)
+class _CacheShape:
+    """What a model's paged cache holds per token and layer."""
+
+    num_kv_heads: int
+    head_dim: int
+    layout: Layout = "NHD"
+    rope_dim: int = 0
+    sm_scale: float | None = None
+
+
+def _cache_shape(model: torch.nn.Module) -> _CacheShape:
+    """An MLA latent for DeepSeek-V3 models, per-head K and V otherwise."""
+    cfg = model.config
+    if isinstance(model, DeepseekV3ForCausalLM):
+        scaling = float(model.model.layers[0].self_attn.scaling)
+        return _CacheShape(1, cfg.kv_lora_rank, "MLA", cfg.qk_rope_head_dim, scaling)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads  # None means MHA
+    return _CacheShape(kv_heads, head_dim, sm_scale=head_dim**-0.5)
+
+
 class _Engine:
     """The scheduler state of one `generate` call."""
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LlamaForCausalLM | DeepseekV3ForCausalLM,
         requests: Sequence[Request],
         *,
         block_size: int,
@@ -126,10 +218,13 @@ class _Engine:
         store: Store | None = None,
         model_id: str = "",
         hash_key: bytes | None = None,
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         cfg = model.config
         dtype = next(model.parameters()).dtype
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        shape = _cache_shape(model)
         self.mgr = BlockManager(
             num_blocks,
             block_size,
@@ -138,29 +233,35 @@ class _Engine:
             enable_events=store is not None,
         )
         layers = cfg.num_hidden_layers
-        kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads  # None means MHA
-        self.gpu = KVCache(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        cache = {"layout": shape.layout, "rope_dim": shape.rope_dim, "scales": kv_scales}
+        heads, dim = shape.num_kv_heads, shape.head_dim
+        self.gpu = KVCache(layers, num_blocks, block_size, heads, dim, kv_dtype, device, **cache)
         self.cpu = KVCache(
             layers,
             max(num_cpu_blocks, 1),
             block_size,
-            kv_heads,
-            head_dim,
-            dtype,
+            heads,
+            dim,
+            kv_dtype,
             "cpu",
+            **cache,
             pin_memory=device.type == "cuda",
         )
         attn = PagedAttention(
             cfg.num_attention_heads,
-            kv_heads,
-            head_dim,
+            heads,
+            dim,
             block_size,
             backend,
             device=device,
             dtype=dtype,
-            sm_scale=head_dim**-0.5,
+            kv_dtype=kv_dtype,
+            layout=shape.layout,
+            rope_dim=shape.rope_dim,
+            sm_scale=shape.sm_scale,
         )
-        self.llama = PagedLlama(model, self.gpu, attn)
+        runner = PagedDeepseek if shape.layout == "MLA" else PagedLlama
+        self.llama = runner(model, self.gpu, attn)  # type: ignore[arg-type]
         self.tier = KVTier(store, model_id, self.mgr, self.gpu) if store is not None else None
         self.device = device
         self.block_size = block_size
@@ -353,7 +454,7 @@ class _Engine:
 
 @torch.inference_mode()
 def generate(
-    model: LlamaForCausalLM,
+    model: LlamaForCausalLM | DeepseekV3ForCausalLM,
     requests: Sequence[Request],
     *,
     block_size: int = 16,
@@ -365,8 +466,13 @@ def generate(
     store: Store | None = None,
     model_id: str = "tiny-llama",
     hash_key: bytes | None = None,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: Sequence[tuple[float, float]] | None = None,
 ) -> GenerationResult:
     """Greedy continuous-batching generation of `requests` with `model`'s weights.
+
+    `kv_dtype` (default: the model's dtype) and `kv_scales` (per layer, for float8) pick the
+    cache's dtype; a DeepSeek-V3 model gets an MLA cache.
 
     `prefill_chunk` caps the prompt tokens a sequence brings to one step (prefix-cache hits are
     then looked up within its first chunk). `device` defaults to the model's. With a `store`,
@@ -391,6 +497,8 @@ def generate(
         store=store,
         model_id=model_id,
         hash_key=hash_key,
+        kv_dtype=kv_dtype,
+        kv_scales=kv_scales,
     )
     return engine.run()
 
@@ -415,10 +523,44 @@ def tiny_llama(seed: int = 0, vocab_size: int = 128) -> LlamaForCausalLM:
     return model
 
 
+def tiny_deepseek(seed: int = 0, vocab_size: int = 128) -> DeepseekV3ForCausalLM:
+    """A small, randomly initialised DeepSeek-V3 (MLA, one dense and one MoE layer), seeded."""
+    config = DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config)
+    model.eval()
+    return model
+
+
 def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    parser.add_argument("--model", default="llama", choices=["llama", "deepseek"])
+    parser.add_argument("--kv-dtype", default="model", choices=["model", "fp8"])
     parser.add_argument("--redis", metavar="URL", help="share computed blocks through Redis")
     parser.add_argument(
         "--hash-key",
@@ -432,7 +574,8 @@ def _main() -> None:
         from pagedkv.tier.redis_store import RedisStore
 
         store = RedisStore(args.redis)
-    model = tiny_llama().to(args.device)
+    model = (tiny_deepseek() if args.model == "deepseek" else tiny_llama()).to(args.device)
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
     shared = list(range(1, 40))
     requests = [
         Request([*shared, 50, 51], 12),
@@ -447,6 +590,7 @@ def _main() -> None:
         block_size=16,
         store=store,
         hash_key=bytes.fromhex(args.hash_key),
+        kv_dtype=kv_dtype,
     )
     for i, samples in enumerate(result.tokens):
         print(f"request {i}: {samples}")

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.attention import TablePlan, plan_from_tables
-from pagedkv.kv_cache import KVCache
+from pagedkv.kv_cache import FP8_DTYPES, KVCache
+from pagedkv.kv_layout import Layout
 
 TOL = {
     torch.float32: (2e-5, 2e-5),
@@ -35,7 +36,8 @@ def dense_attention(
     scale: float,
     soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal (bottom-right) attention of `q` `[q, hq, d]` over `k`, `v` `[kv, hkv, d]`, fp64."""
+    """Causal (bottom-right) attention of `q` `[q, hq, d]` over `k` `[kv, hkv, d]` and `v`
+    `[kv, hkv, dv]`, in float64."""
     q_len, kv_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     qh = q.double().transpose(0, 1)  # [hq, q, d]
@@ -64,6 +66,18 @@ class Batch:
     q_lens: list[int]
 
 
+def as_stored(
+    x: torch.Tensor, dtype: torch.dtype, kv_dtype: torch.dtype, scale: float
+) -> torch.Tensor:
+    """`x` in the query dtype, as a `kv_dtype` cache gives it back (float8: saturated, rounded
+    and scaled back), in float64: what dense attention on the dequantized KV reads."""
+    x = x.to(dtype)
+    if kv_dtype in FP8_DTYPES:
+        limit = torch.finfo(kv_dtype).max
+        x = (x.double() / scale).clamp(-limit, limit).to(kv_dtype).double() * scale
+    return x.double()
+
+
 def random_batch(
     seed: int,
     shapes: Sequence[tuple[int, int]],
@@ -74,39 +88,76 @@ def random_batch(
     bs: int,
     dtype: torch.dtype,
     shared_prefix_blocks: int = 0,
+    layout: Layout = "NHD",
+    kv_dtype: torch.dtype | None = None,
+    rope_dim: int = 0,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> Batch:
     """Sequences `(kv_len, q_len)` on randomly permuted blocks; optionally sharing prefix blocks.
 
     With `shared_prefix_blocks = s`, every sequence long enough reuses sequence 0's first `s`
-    physical blocks and their K/V, as a prefix cache hit would.
+    physical blocks and their K/V, as a prefix cache hit would. `layout`, `kv_dtype` (default
+    `dtype`), `rope_dim` and `scales` (of a float8 cache) pick the cache; for MLA, `hkv` is 1, K
+    is the latent and its rope part and V the latent. The dense K/V are what the cache holds,
+    dequantized.
     """
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     needed = sum(math.ceil(kv / bs) for kv, _ in shapes) + 3
     num_blocks = needed + 5
     order = [int(x) for x in rng.permutation(num_blocks)]
     tables: list[list[int]] = []
-    dense_k: list[torch.Tensor] = []
-    dense_v: list[torch.Tensor] = []
+    raw_k: list[torch.Tensor] = []
+    raw_v: list[torch.Tensor] = []
     for b, (kv_len, _) in enumerate(shapes):
         n = math.ceil(kv_len / bs)
-        k = torch.randn(kv_len, hkv, dim, generator=gen).to(dtype)
-        v = torch.randn(kv_len, hkv, dim, generator=gen).to(dtype)
+        k = torch.randn(kv_len, hkv, dim + rope_dim, generator=gen)
+        v = torch.randn(kv_len, hkv, dim, generator=gen)
         shared = min(shared_prefix_blocks, (kv_len - 1) // bs, shapes[0][0] // bs) if b else 0
         table = tables[0][:shared] if shared else []
         if shared:
-            k[: shared * bs] = dense_k[0][: shared * bs]
-            v[: shared * bs] = dense_v[0][: shared * bs]
+            k[: shared * bs] = raw_k[0][: shared * bs]
+            v[: shared * bs] = raw_v[0][: shared * bs]
         table = table + [order.pop() for _ in range(n - shared)]
         tables.append(table)
-        dense_k.append(k)
-        dense_v.append(v)
-    cache = KVCache(1, num_blocks, bs, hkv, dim, dtype=dtype)
+        raw_k.append(k)
+        raw_v.append(v)
+    fp8 = kv_dtype in FP8_DTYPES
+    cache = KVCache(
+        1,
+        num_blocks,
+        bs,
+        hkv,
+        dim,
+        dtype=kv_dtype,
+        layout=layout,
+        rope_dim=rope_dim,
+        scales=[scales] if fp8 else None,
+    )
     kv_lens = [kv for kv, _ in shapes]
-    cache.write(0, torch.cat(dense_k), torch.cat(dense_v), full_plan(tables, kv_lens, bs))
+    k_all, v_all = torch.cat(raw_k).to(dtype), torch.cat(raw_v).to(dtype)
+    full = full_plan(tables, kv_lens, bs)
+    if layout == "MLA":
+        cache.write_latent(0, k_all[:, 0, :dim], k_all[:, 0, dim:], full)
+        dense_k = [
+            torch.cat(
+                [
+                    as_stored(k[..., :dim], dtype, kv_dtype, scales[0]),
+                    as_stored(k[..., dim:], dtype, kv_dtype, scales[1]),
+                ],
+                dim=-1,
+            )
+            for k in raw_k
+        ]
+        dense_v = [k[..., :dim] for k in dense_k]
+    else:
+        cache.write(0, k_all, v_all, full)
+        dense_k = [as_stored(k, dtype, kv_dtype, scales[0]) for k in raw_k]
+        dense_v = [as_stored(v, dtype, kv_dtype, scales[1]) for v in raw_v]
     q_lens = [q for _, q in shapes]
     plan = plan_from_tables(tables, kv_lens, q_lens, bs)
-    q = torch.randn(sum(q_lens), hq, dim, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), hq, dim + rope_dim, generator=gen).to(dtype)
     return Batch(cache, plan, q, dense_k, dense_v, q_lens)
 
 

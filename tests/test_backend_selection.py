@@ -12,10 +12,14 @@ import pagedkv.attention._paged as paged
 import pagedkv.attention._select as select
 from pagedkv.attention import PagedAttention
 from pagedkv.attention._spec import AttentionSpec
+from pagedkv.kv_layout import KVLayout
 
 
 def spec(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> AttentionSpec:
-    return AttentionSpec(8, 2, head_dim, 16, 0.1, None, dtype, torch.device("cuda", 0))
+    layout = KVLayout("NHD", 2, head_dim)
+    return AttentionSpec(
+        8, 2, head_dim, 16, 0.1, None, dtype, torch.device("cuda", 0), dtype, layout
+    )
 
 
 def test_auto_on_cpu_is_torch_and_says_why() -> None:
@@ -82,4 +86,4 @@ def test_auto_on_cuda_prefers_flashinfer_then_triton() -> None:
     assert attn.backend == ("flashinfer" if has_fi else "triton")
     f32 = PagedAttention(8, 8, 128, 16, device="cuda", dtype=torch.float32)
     assert f32.backend == "triton"
-    assert "flashinfer supports float16 and bfloat16" in f32.backend_reason
+    assert "FlashInfer takes float16 and bfloat16 queries" in f32.backend_reason

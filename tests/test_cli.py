@@ -77,6 +77,28 @@ def test_json_shares_by_hand(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert paged["steps"] == oracle["steps"] == 4
 
 
+def test_float8_kv_doubles_the_batch_at_the_same_memory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    batch = {}
+    for kv_dtype, width in (("bf16", 2), ("fp8", 1)):
+        argv = [
+            *SMALL,
+            "--num-requests",
+            "200",
+            "--model",
+            "deepseek-v2-lite",
+            "--gpu",
+            "h100-80gb",
+        ]
+        argv += ["--kv-memory", "100MB", "--systems", "paged", "--json", "--kv-dtype", kv_dtype]
+        code, out, _ = run_cli(capsys, *argv)
+        data = json.loads(out)
+        assert code == 0 and data["config"]["kv_bytes_per_token"] == 27 * 576 * width
+        batch[kv_dtype] = data["systems"][0]["mean_seqs"]
+    assert batch["fp8"] > 1.8 * batch["bf16"]
+
+
 def test_parallel_sampling_reports_sharing(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, *SMALL, "-n", "4", "--kv-memory", "12GB")
     assert code == 0

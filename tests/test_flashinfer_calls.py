@@ -17,6 +17,7 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,8 +38,9 @@ class Recorder:
     def plan(self, *args: Any, **kwargs: Any) -> None:
         self.calls.append((type(self).__name__, "plan", args, kwargs))
 
-    def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        self.calls.append((type(self).__name__, "run", (q, kv), {}))
+    def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls.append((type(self).__name__, "run", args, kwargs))
+        q: torch.Tensor = args[0] if args else kwargs["query"]
         return q.clone()
 
 
@@ -49,8 +51,17 @@ def recorded(
     calls: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
     decode = type("BatchDecodeWithPagedKVCacheWrapper", (Recorder,), {"calls": calls})
     prefill = type("BatchPrefillWithPagedKVCacheWrapper", (Recorder,), {"calls": calls})
+    mla = type("BatchMLAPagedAttentionWrapper", (Recorder,), {"calls": calls})
+
+    def csr(*args: Any) -> tuple[Any, ...]:
+        calls.append(("MLAPlanMetadata", "csr", args, {}))
+        return args
+
     fake = SimpleNamespace(
-        BatchDecodeWithPagedKVCacheWrapper=decode, BatchPrefillWithPagedKVCacheWrapper=prefill
+        BatchDecodeWithPagedKVCacheWrapper=decode,
+        BatchPrefillWithPagedKVCacheWrapper=prefill,
+        BatchMLAPagedAttentionWrapper=mla,
+        mla=SimpleNamespace(MLAPlanMetadata=SimpleNamespace(csr=csr)),
     )
     monkeypatch.setattr(fi_backend, "import_flashinfer", lambda: fake)
     monkeypatch.setattr(fi_backend, "check_spec", lambda spec: None)  # lets it run on the CPU
@@ -58,14 +69,31 @@ def recorded(
 
 
 def attention(**kwargs: Any) -> PagedAttention:
-    return PagedAttention(8, 2, 16, 4, "flashinfer", dtype=torch.float32, **kwargs)
+    heads = 1 if kwargs.get("layout") == "MLA" else 2
+    return PagedAttention(8, heads, 16, 4, "flashinfer", dtype=torch.float32, **kwargs)
 
 
-def step(attn: PagedAttention, q_lens: list[int]) -> None:
+def cache_for(attn: PagedAttention, scales: Any = None) -> KVCache:
+    s = attn.spec
+    return KVCache(
+        1,
+        6,
+        4,
+        s.num_kv_heads,
+        16,
+        s.kv_dtype,
+        layout=s.layout.name,
+        rope_dim=s.layout.rope_dim,
+        scales=scales,
+    )
+
+
+def step(attn: PagedAttention, q_lens: list[int], cache: KVCache | None = None) -> None:
     tables = [[3, 1, 4], [0, 5], [2]]
     attn.plan(plan_from_tables(tables, [9, 6, 2], q_lens, 4))
     rows = attn.graph_batch_size or sum(q_lens)
-    attn.run(torch.zeros(rows, 8, 16), KVCache(1, 6, 4, 2, 16, dtype=torch.float32), 0)
+    q = torch.zeros(rows, 8, attn.spec.qk_dim)
+    attn.run(q, cache or cache_for(attn), 0)
 
 
 def calls_named(calls: list[Any], cls: str, method: str) -> list[Any]:
@@ -184,20 +212,80 @@ def test_run_checks_the_cache_once_per_plan(
         attn.run(torch.zeros(1, 8, 16), KVCache(1, 4, 4, 2, 16, dtype=torch.float32), 0)
 
 
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_hnd_and_float8_reach_the_wrappers(recorded: list[Any], mode: str) -> None:
+    attn = attention(layout="HND", kv_dtype=E4M3)
+    step(attn, [1, 1, 1] if mode == "decode" else [3, 1, 2], cache_for(attn, [[0.5, 0.25]]))
+    inits = [c for c in recorded if c[1] == "__init__"]
+    assert all(c[2][1] == "HND" for c in inits)
+    ((_, _, _, plan_kwargs),) = [c for c in recorded if c[1] == "plan"]
+    assert plan_kwargs["kv_data_type"] == E4M3 and plan_kwargs["q_data_type"] == torch.float32
+    ((_, _, args, run_kwargs),) = [c for c in recorded if c[1] == "run"]
+    assert run_kwargs == {"k_scale": 0.5, "v_scale": 0.25}
+    assert args[1].shape == (6, 2, 2, 4, 16)  # the HND layer itself
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 2]])
+def test_mla_plans_one_wrapper_for_every_phase(recorded: list[Any], q_lens: list[int]) -> None:
+    attn = attention(layout="MLA", rope_dim=64, kv_dtype=E4M3)
+    step(attn, q_lens, cache_for(attn, [[0.5, 0.25]]))
+    assert {c[0] for c in recorded} == {"BatchMLAPagedAttentionWrapper", "MLAPlanMetadata"}
+    ((_, _, csr, _),) = calls_named(recorded, "MLAPlanMetadata", "csr")
+    qo, indptr, indices, kv_lens = csr
+    assert qo.tolist() == [0, *np.cumsum(q_lens).tolist()]
+    assert indptr.tolist() == [0, 3, 5, 6] and kv_lens.tolist() == [9, 6, 2]
+    assert indices.tolist() == [3, 1, 4, 0, 5, 2]
+    ((_, _, _, kwargs),) = calls_named(recorded, "BatchMLAPagedAttentionWrapper", "plan")
+    assert kwargs["metadata"] == csr
+    assert (kwargs["num_heads"], kwargs["head_dim_ckv"], kwargs["head_dim_kpe"]) == (8, 16, 64)
+    assert kwargs["page_size"] == 4 and kwargs["causal"] is True
+    assert kwargs["sm_scale"] == 80**-0.5 and kwargs["kv_data_type"] == E4M3
+    assert kwargs["scale_mode"] == "kv-per-tensor"
+    ((_, _, _, run_kwargs),) = calls_named(recorded, "BatchMLAPagedAttentionWrapper", "run")
+    assert run_kwargs["query"].shape == (sum(q_lens), 8, 80)
+    assert run_kwargs["kv_cache"].shape == (6, 4, 80)
+    assert (run_kwargs["ckv_scale"], run_kwargs["kpe_scale"]) == (0.5, 0.25)
+
+
+def test_mla_graph_buckets_get_fixed_buffers(recorded: list[Any]) -> None:
+    attn = attention(
+        layout="MLA", rope_dim=64, cuda_graph_batch_sizes=(4,), cuda_graph_max_pages=32
+    )
+    step(attn, [1, 1, 1])
+    assert attn.graph_batch_size == 4
+    graph_inits = [c for c in recorded if c[1] == "__init__" and c[3].get("use_cuda_graph")]
+    ((_, _, _, kwargs),) = graph_inits
+    assert kwargs["qo_indptr"].shape == kwargs["kv_indptr"].shape == (5,)
+    assert kwargs["kv_indices"].shape == (32,) and kwargs["kv_len_arr"].shape == (4,)
+    ((_, _, csr, _),) = calls_named(recorded, "MLAPlanMetadata", "csr")
+    assert csr[3].tolist() == [9, 6, 2, 1]  # padded with a one-token sequence
+
+
 # ---------------------------------------------------------------------------------------------
 # Argument names against the installed FlashInfer.
 
 _DUMP = """
-import inspect, json, flashinfer
+import inspect, json, flashinfer, flashinfer.mla
 out = {"version": flashinfer.__version__}
-for cls in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"):
+def dump(name, f, first=()):
+    sig = inspect.signature(f)
+    out[name] = list(first) + [
+        (p.name, p.kind.name, p.default is not p.empty) for p in sig.parameters.values()
+    ]
+for cls in (
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchMLAPagedAttentionWrapper",
+):
     c = getattr(flashinfer, cls)
     for m in ("__init__", "plan", "_plan_impl", "run"):
         if hasattr(c, m):
-            sig = inspect.signature(getattr(c, m))
-            out[cls + "." + m] = [
-                (p.name, p.kind.name, p.default is not p.empty) for p in sig.parameters.values()
-            ]
+            dump(cls + "." + m, getattr(c, m))
+# A classmethod's signature has no cls; _bind passes one.
+dump("MLAPlanMetadata.csr", flashinfer.mla.MLAPlanMetadata.csr, [("cls", "POSITIONAL_ONLY", False)])
 print(json.dumps(out))
 """
 
@@ -234,16 +322,30 @@ def _bind(params: list[list[Any]], args: tuple[Any, ...], kwargs: dict[str, Any]
 def test_argument_names_exist_in_flashinfer(
     recorded: list[Any], signatures: dict[str, Any]
 ) -> None:
+    layouts: list[dict[str, Any]] = [
+        {},
+        {"layout": "HND", "kv_dtype": E4M3},
+        {"layout": "MLA", "rope_dim": 64},
+        {"layout": "MLA", "rope_dim": 64, "kv_dtype": E4M3},
+    ]
     for graph in (False, True):
-        attn = attention(
-            cuda_graph_batch_sizes=(4,) if graph else (), cuda_graph_max_pages=32 if graph else 0
-        )
-        step(attn, [1, 1, 1])
-        step(attn, [3, 1, 2])
+        for layout in layouts:
+            attn = attention(
+                cuda_graph_batch_sizes=(4,) if graph else (),
+                cuda_graph_max_pages=32 if graph else 0,
+                **layout,
+            )
+            step(attn, [1, 1, 1])
+            step(attn, [3, 1, 2])
     assert {(c[0], c[1]) for c in recorded} >= {
         ("BatchDecodeWithPagedKVCacheWrapper", "__init__"),
         ("BatchDecodeWithPagedKVCacheWrapper", "plan"),
+        ("BatchDecodeWithPagedKVCacheWrapper", "run"),
         ("BatchPrefillWithPagedKVCacheWrapper", "plan"),
+        ("BatchMLAPagedAttentionWrapper", "__init__"),
+        ("BatchMLAPagedAttentionWrapper", "plan"),
+        ("BatchMLAPagedAttentionWrapper", "run"),
+        ("MLAPlanMetadata", "csr"),
     }
     for cls, method, args, kwargs in recorded:
         _bind(signatures[f"{cls}.{method}"], args, kwargs)

@@ -81,3 +81,36 @@ def test_persistent_batch_check_runs_on_the_cpu(
     gpu_check.check_persistent_batch("torch", rows=3, context=40, steps=20, device="cpu")
     (row,) = gpu_check.ROWS
     assert row.check == "persistent" and row.ok, row
+
+
+def test_layout_cases_build_on_the_cpu(gpu_check: ModuleType) -> None:
+    # Each layout case's cache and reference attention, and one decode step through them.
+    for lc in gpu_check.LAYOUTS:
+        fp8 = lc.kv_dtype.itemsize == 1
+        cache = KVCache(
+            1,
+            4,
+            16,
+            lc.hkv,
+            lc.dim,
+            lc.kv_dtype,
+            layout=lc.layout,
+            rope_dim=lc.rope_dim,
+            scales=[[0.02, 0.03]] if fp8 else None,
+        )
+        attn = PagedAttention(
+            lc.hq,
+            lc.hkv,
+            lc.dim,
+            16,
+            "torch",
+            dtype=lc.dtype,
+            kv_dtype=lc.kv_dtype,
+            layout=lc.layout,
+            rope_dim=lc.rope_dim,
+        )
+        attn.plan(gpu_check.make_plan([20], [1], 16, 4, seed=0))
+        out = attn.run(torch.ones(1, lc.hq, lc.dim + lc.rope_dim, dtype=lc.dtype), cache, 0)
+        assert out.shape == (1, lc.hq, lc.dim)
+    names = {lc.name.split()[0] for lc in gpu_check.LAYOUTS}
+    assert names == {"NHD", "HND", "MLA"}

@@ -462,6 +462,9 @@ def test_model_kv_bytes_per_token() -> None:
     assert MODELS["Llama-3-8B"].kv_bytes_per_token == 2 * 32 * 1024 * 2
     assert MODELS["Llama-3-70B"].kv_bytes_per_token == 2 * 80 * 1024 * 2
     assert MODELS["Qwen2.5-7B"].kv_bytes_per_token == 2 * 28 * 512 * 2
+    # MLA: one latent of 512 plus a rope part of 64 per layer, no per-head K and V.
+    assert MODELS["DeepSeek-V2-Lite"].kv_bytes_per_token == 27 * (512 + 64) * 2
+    assert MODELS["DeepSeek-V3"].kv_bytes_per_token == 61 * (512 + 64) * 2
 
 
 def test_step_time_model_by_hand() -> None:

@@ -468,6 +468,55 @@ def test_other_namespace_never_hits() -> None:
             assert tier.stats().hit_blocks == 0
 
 
+E4M3 = torch.float8_e4m3fn
+LAYOUT_CACHES: dict[str, Any] = {
+    "HND-float16": {"dtype": torch.float16, "layout": "HND"},
+    "NHD-e4m3": {"dtype": E4M3, "scales": [[0.5, 0.25], [1.0, 2.0]]},
+    "MLA-e4m3": {"dtype": E4M3, "layout": "MLA", "rope_dim": 4, "scales": [[0.5, 0.25]] * 2},
+}
+
+
+def layout_cache(kind: str, seed: int | None = None, **override: Any) -> KVCache:
+    kw = {**LAYOUT_CACHES[kind], **override}
+    heads = 1 if kw.get("layout") == "MLA" else 2
+    cache = KVCache(2, 32, BS, heads, 8, **kw)
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        for layer in range(cache.num_layers):
+            t = cache.layer(layer)
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return cache
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUT_CACHES))
+def test_every_layout_saves_and_loads_in_its_own_namespace(kind: str) -> None:
+    store, mgr, ids = MemoryStore(), StandInManager(), [3, 9, 4, 11, 7]
+    src = layout_cache(kind, seed=2)
+    with KVTier(store, "m", mgr, src) as tier:
+        tier.offer(stored_events(mgr, ids))
+        assert tier.flush(5) and tier.stats().saved_blocks == 5
+        namespace = tier.namespace
+    assert namespace.spec.layout == src.layout and namespace.spec.scales == (
+        tuple(s for layer in range(2) if (s := src.scales(layer)))
+    )
+    dst = layout_cache(kind)
+    with KVTier(store, "m", StandInManager(), dst) as tier:
+        assert tier.admit(0, TOKENS) == 5 * BS
+    raw = [blocks(c, i).view(torch.uint8) for c, i in ((dst, list(range(20, 25))), (src, ids))]
+    assert torch.equal(*raw)
+    # Another layout, or the same float8 bytes under other scales, never hits these blocks.
+    others = [
+        layout_cache(
+            kind, layout="NHD" if "MLA" in kind else "MLA", rope_dim=4 * ("MLA" not in kind)
+        )
+    ]
+    if "e4m3" in kind:
+        others.append(layout_cache(kind, scales=[[1.0, 1.0]] * 2))
+    for other in others:
+        with KVTier(store, "m", StandInManager(), other) as tier:
+            assert tier.admit(0, TOKENS) == 0
+
+
 def test_tier_rejects_bad_settings() -> None:
     with pytest.raises(ValueError, match="block size"):
         KVTier(MemoryStore(), "m", StandInManager(), KVCache(1, 4, 8, 1, 2))

@@ -39,6 +39,7 @@ def test_codec_round_trip() -> None:
         BlockSpec(2, 4, 1, 8, "float16"),  # kv heads
         BlockSpec(2, 4, 2, 4, "float16"),  # head dim
         BlockSpec(2, 4, 2, 8, "bfloat16"),  # dtype of the same width
+        BlockSpec(2, 4, 2, 8, "float16", "HND"),  # layout of the same size
     ],
 )
 def test_codec_rejects_another_shape_or_dtype(spec: BlockSpec) -> None:
@@ -74,6 +75,13 @@ def test_codec_rejects_corrupt_short_long_and_misplaced_values() -> None:
         decode(SPEC, HASH, bytes(lying))
 
 
+def test_mla_payload_is_one_latent_row_per_token() -> None:
+    spec = BlockSpec(2, 4, 1, 8, "float8_e4m3fn", "MLA", 4)
+    assert spec.payload_size == 2 * 4 * (8 + 4)
+    payload = bytes(range(spec.payload_size))
+    assert bytes(decode(spec, HASH, encode(spec, HASH, payload))) == payload
+
+
 def test_codec_and_spec_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="payload has 3 bytes"):
         encode(SPEC, HASH, b"abc")
@@ -102,7 +110,15 @@ def test_namespace_covers_every_field() -> None:
     variants = [
         Namespace("tiny-llama-2", SPEC, FINGERPRINT),
         Namespace("tiny-llama", SPEC, "ffffffffffffffff"),
-        Namespace("tiny-llama", SPEC, FINGERPRINT, layout="HND"),
+        Namespace("tiny-llama", BlockSpec(2, 4, 2, 8, "float16", "HND"), FINGERPRINT),
+        Namespace("tiny-llama", BlockSpec(2, 4, 1, 8, "float16", "MLA", 4), FINGERPRINT),
+        Namespace("tiny-llama", BlockSpec(2, 4, 1, 8, "float16", "MLA", 8), FINGERPRINT),
+        Namespace("tiny-llama", BlockSpec(2, 4, 2, 8, "float8_e4m3fn"), FINGERPRINT),
+        Namespace(
+            "tiny-llama",
+            BlockSpec(2, 4, 2, 8, "float8_e4m3fn", scales=((1.0, 2.0), (1.0, 1.0))),
+            FINGERPRINT,
+        ),
         Namespace("tiny-llama", BlockSpec(3, 4, 2, 8, "float16"), FINGERPRINT),
         Namespace("tiny-llama", BlockSpec(2, 8, 2, 8, "float16"), FINGERPRINT),
         Namespace("tiny-llama", BlockSpec(2, 4, 1, 8, "float16"), FINGERPRINT),

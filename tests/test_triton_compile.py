@@ -1,8 +1,9 @@
 """The Triton kernel compiled for real GPUs, without one: Triton ships its own ptxas.
 
 The interpreter tests run the kernel's logic in numpy; this compiles it to sm80 / sm86 / sm90
-machine code as a GPU run would, which catches what only the compiler checks (dot shapes and
-types, layouts) and the shared memory a program needs against the smallest sm80+ budget.
+machine code as a GPU run would (float8 KV and MLA latent rows included), which catches what
+only the compiler checks (dot shapes and types, layouts) and the shared memory a program needs
+against the smallest sm80+ budget.
 It runs in a subprocess: the test session runs Triton in its interpreter mode.
 """
 
@@ -28,17 +29,22 @@ from pagedkv.attention._triton_kernel import paged_attention_kernel as kernel
 
 names = list(inspect.signature(kernel.fn).parameters)
 results = []
-for dtype, head_dim, mode, group, cap, arch in json.loads(sys.argv[1]):
+elems = {
+    "float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
+    "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
+}
+for dtype, kv_dtype, head_dim, rope_dim, mode, group, cap, arch in json.loads(sys.argv[1]):
     torch_dtype = getattr(torch, dtype)
     block_d, block_n, block_m_prefill = tile_sizes(head_dim, torch_dtype)
-    elem = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
     sig = {}
     for n in names:
-        if n in ("q_ptr", "kv_ptr", "out_ptr"):
-            sig[n] = "*" + elem
+        if n in ("q_ptr", "out_ptr"):
+            sig[n] = "*" + elems[dtype]
+        elif n == "kv_ptr":
+            sig[n] = "*" + elems[kv_dtype]
         elif n.endswith("_ptr"):
             sig[n] = "*i32"
-        elif n in ("sm_scale", "soft_cap"):
+        elif n in ("k_scale", "pe_scale", "v_scale", "soft_cap"):
             sig[n] = "fp32"
         elif n.startswith("stride"):
             sig[n] = "i32"
@@ -46,6 +52,8 @@ for dtype, head_dim, mode, group, cap, arch in json.loads(sys.argv[1]):
             sig[n] = "constexpr"
     const = {
         "PAGE": 16, "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_D": block_d,
+        "ROPE_DIM": rope_dim, "BLOCK_R": max(16, 1 << (rope_dim - 1).bit_length()),
+        "MLA": rope_dim > 0,
         "BLOCK_M": BLOCK_M_DECODE if mode == "decode" else block_m_prefill, "BLOCK_N": block_n,
         "HAS_CAP": cap, "PRECISION": "ieee" if dtype == "float32" else "tf32", "DOT_FP32": False,
     }
@@ -57,13 +65,20 @@ for dtype, head_dim, mode, group, cap, arch in json.loads(sys.argv[1]):
 print(json.dumps(results))
 """
 
+# (query dtype, KV dtype, head_dim or MLA latent, MLA rope part, mode, group, cap, sm).
 CASES = [
-    ("bfloat16", 128, "decode", 4, False, 90),
-    ("bfloat16", 128, "prefill", 8, True, 90),
-    ("float16", 64, "prefill", 1, False, 80),
-    ("bfloat16", 256, "prefill", 4, False, 86),
-    ("float32", 128, "prefill", 4, True, 86),
-    ("float32", 256, "prefill", 4, False, 86),
+    ("bfloat16", "bfloat16", 128, 0, "decode", 4, False, 90),
+    ("bfloat16", "bfloat16", 128, 0, "prefill", 8, True, 90),
+    ("float16", "float16", 64, 0, "prefill", 1, False, 80),
+    ("bfloat16", "bfloat16", 256, 0, "prefill", 4, False, 86),
+    ("float32", "float32", 128, 0, "prefill", 4, True, 86),
+    ("float32", "float32", 256, 0, "prefill", 4, False, 86),
+    # float8 KV (compute capability 8.9+) and MLA's 512 + 64 latent rows.
+    ("bfloat16", "float8_e4m3fn", 128, 0, "decode", 4, False, 90),
+    ("float16", "float8_e5m2", 128, 0, "prefill", 4, False, 89),
+    ("bfloat16", "bfloat16", 512, 64, "decode", 16, False, 86),
+    ("bfloat16", "bfloat16", 512, 64, "prefill", 16, False, 86),
+    ("bfloat16", "float8_e4m3fn", 512, 64, "decode", 128, False, 90),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import os
@@ -135,7 +136,9 @@ def _simulate_epilog() -> str:
             f"  {t.name:<11} prompt {t.mean_prompt:g}, output {t.mean_output:g}: {t.source}"
         )
     lines.append("  Lengths are log-normal with coefficient of variation 1 (our assumption).")
-    lines.append("models (KV bytes per token at 16 bits, weights, context length):")
+    lines.append(
+        "models (KV bytes per token at 16 bits, half with --kv-dtype fp8; weights; context):"
+    )
     for m in MODELS.values():
         lines.append(
             f"  {m.name:<11} {m.kv_bytes_per_token:,} B/token, {m.num_params / 1e9:.2f}B "
@@ -266,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-memory",
         type=parse_size,
         help="KV memory, e.g. 12GB (default: 90%% of GPU memory minus the weights)",
+    )
+    sim.add_argument(
+        "--kv-dtype",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="KV cache dtype: 16-bit or float8, half the bytes per token (default bf16)",
     )
     sim.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (16)")
     sim.add_argument(
@@ -438,6 +447,8 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig:
     from pagedkv.simulate.simulation import SYSTEMS, SimulationConfig
 
     model = MODELS[args.model]
+    if args.kv_dtype == "fp8":
+        model = dataclasses.replace(model, kv_dtype_bytes=1)
     gpu = GPUS[args.gpu]
     kv_memory = args.kv_memory
     if kv_memory is None:

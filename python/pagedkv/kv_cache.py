@@ -1,9 +1,13 @@
-"""Paged K/V tensors: one tensor per layer in FlashInfer's NHD layout.
+"""Paged K/V tensors: one tensor per layer, in one of FlashInfer's layouts (`kv_layout`).
 
-Layer `l` is `[num_blocks, 2, block_size, num_kv_heads, head_dim]`; index 0 of dimension 1 is K,
-index 1 is V, and token slot `s` lives in block `s // block_size` at offset `s % block_size`
-(the `slot_mapping` of a `Plan`). The cache only moves bytes; which block holds what is the
-`BlockManager`'s business, and the block pairs it returns are applied here:
+Layer `l` is `[num_blocks, *page_shape]`: NHD `[num_blocks, 2, block_size, num_kv_heads,
+head_dim]` (K at index 0 of dimension 1, V at 1), HND `[num_blocks, 2, num_kv_heads, block_size,
+head_dim]`, or MLA `[num_blocks, block_size, head_dim + rope_dim]` (latent, then its rope part).
+Token slot `s` lives in block `s // block_size` at offset `s % block_size` (the `slot_mapping`
+of a `Plan`). float8 caches (e4m3, e5m2) store `x / scale` with one K and one V scale per layer
+(for MLA: latent and rope) and are read as `stored * scale`. The cache only moves bytes; which
+block holds what is the `BlockManager`'s business, and the block pairs it returns are applied
+here:
 
 >>> import numpy as np
 >>> cache = KVCache(2, 8, 4, 1, 2, dtype=torch.float32)
@@ -22,6 +26,11 @@ import numpy.typing as npt
 import torch
 
 from pagedkv._device import resolve_device, upload_ints
+from pagedkv.kv_layout import KVLayout, Layout
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# What `write` takes for a float8 cache (it quantizes): the dtypes models compute in.
+FP8_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class HasSlotMapping(Protocol):
@@ -40,17 +49,18 @@ Slots = HasSlotMapping | npt.NDArray[Any] | torch.Tensor
 
 
 class SlotIndex:
-    """A step's slots on the cache's device, with the rows `write` stores K and V at.
+    """A step's slots on the cache's device: their blocks and offsets, and the NHD rows.
 
-    Seen as rows of `[num_kv_heads, head_dim]`, block `b` of a layer holds its K tokens in rows
-    `2 * b * block_size ..` and its V tokens in the `block_size` rows after them.
+    Seen as rows of `[num_kv_heads, head_dim]`, block `b` of an NHD layer holds its K tokens in
+    rows `2 * b * block_size ..` and its V tokens in the `block_size` rows after them.
     """
 
     def __init__(self, slots: torch.Tensor, block_size: int) -> None:
         self.slots = slots
         self.block_size = block_size
-        block = torch.div(slots, block_size, rounding_mode="floor")
-        self.k_rows = block * block_size + slots  # 2 * block * bs + slot % bs
+        self.block = torch.div(slots, block_size, rounding_mode="floor")
+        self.offset = slots - self.block * block_size
+        self.k_rows = self.block * block_size + slots  # 2 * block * bs + slot % bs
         self.v_rows = self.k_rows + block_size
 
 
@@ -87,7 +97,12 @@ def _pairs(name: str, pairs: npt.NDArray[Any], src_blocks: int, dst_blocks: int)
 class KVCache:
     """The K/V of `num_blocks` blocks for every layer, on one device.
 
-    `pin_memory=True` pins a CPU cache so swaps to and from the GPU move faster.
+    `layout` is `"NHD"` (default), `"HND"` or `"MLA"` (then `num_kv_heads` is 1, `head_dim` the
+    latent width and `rope_dim` its rope part, e.g. 512 and 64). `dtype` is any float dtype,
+    float8 (`torch.float8_e4m3fn`, `torch.float8_e5m2`) included; a float8 cache takes `scales`,
+    `[num_layers, 2]` positive finite numbers (K and V, or latent and rope, per layer; ones by
+    default), fixed for the cache's life so captured CUDA graphs stay valid. `pin_memory=True`
+    pins a CPU cache so swaps to and from the GPU move faster.
     """
 
     def __init__(
@@ -100,6 +115,9 @@ class KVCache:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
         *,
+        layout: Layout = "NHD",
+        rope_dim: int = 0,
+        scales: npt.ArrayLike | None = None,
         pin_memory: bool = False,
     ) -> None:
         for name, value in (
@@ -113,22 +131,46 @@ class KVCache:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+        self.kv_layout = KVLayout(layout, num_kv_heads, head_dim, rope_dim)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.rope_dim = rope_dim
         self.dtype = dtype
+        self._scales = _check_scales(scales, num_layers, dtype)
         self.device = resolve_device(device)
         if pin_memory and self.device.type != "cpu":
             raise ValueError("pin_memory=True only applies to a CPU cache")
-        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+        self.page_shape = self.kv_layout.page_shape(block_size)
+        shape = (num_blocks, *self.page_shape)
         # Zeroed rather than empty: a bug that reads an unwritten slot then shows up as a wrong
         # number, never as a NaN that a masked softmax might hide.
         self._layers = tuple(
             torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
             for _ in range(num_layers)
         )
+
+    @property
+    def layout(self) -> Layout:
+        """`"NHD"`, `"HND"` or `"MLA"`."""
+        return self.kv_layout.name
+
+    @property
+    def is_fp8(self) -> bool:
+        """True when the cache stores float8 with scales."""
+        return self.dtype in FP8_DTYPES
+
+    def scales(self, layer: int) -> tuple[float, float] | None:
+        """`(k_scale, v_scale)` of `layer` (MLA: latent and rope), or None unless float8."""
+        self.layer(layer)  # range check
+        return self._scales[layer] if self._scales else None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes over all layers."""
+        return self.kv_layout.bytes_per_token(self.num_layers, self.dtype.itemsize)
 
     @property
     def num_slots(self) -> int:
@@ -141,7 +183,7 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self._layers)
 
     def layer(self, layer: int) -> torch.Tensor:
-        """The NHD tensor of `layer`, `[num_blocks, 2, block_size, num_kv_heads, head_dim]`."""
+        """The tensor of `layer`, `[num_blocks, *page_shape]` (see the module docstring)."""
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         return self._layers[layer]
@@ -193,8 +235,12 @@ class KVCache:
         """Store new tokens' `k` and `v` (`[tokens, num_kv_heads, head_dim]`) at their slots.
 
         `slots` is a `Plan` (its `slot_mapping` is used), a numpy array, or what `slot_tensor`
-        returned (the fast path: K and V are then one indexed store each).
+        returned (the fast path: K and V are then one indexed store each). A float8 cache takes
+        float16/bfloat16/float32 and quantizes with the layer's scales. MLA caches use
+        `write_latent`.
         """
+        if self.kv_layout.is_mla:
+            raise ValueError("this cache has the MLA layout: store tokens with write_latent")
         expected = (self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if t.dim() != 3 or tuple(t.shape[1:]) != expected:
@@ -202,19 +248,60 @@ class KVCache:
                     f"{name} must have shape [tokens, {expected[0]}, {expected[1]}], "
                     f"got {tuple(t.shape)}"
                 )
-            if t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(
-                    f"{name} is {t.dtype} on {t.device}, the cache is {self.dtype} on {self.device}"
-                )
-        if k.shape[0] != v.shape[0]:
-            raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
-        index = self.slot_tensor(slots)
-        if index.slots.shape[0] != k.shape[0]:
-            raise ValueError(f"{index.slots.shape[0]} slots for {k.shape[0]} tokens")
+        index = self._write_index(slots, k, v)
+        k_scale, v_scale = self._scales[layer] if self._scales else (1.0, 1.0)
+        k, v = self._stored(k, k_scale), self._stored(v, v_scale)
+        t = _raw(self.layer(layer))
+        if self.layout == "HND":
+            t[index.block, 0, :, index.offset] = k
+            t[index.block, 1, :, index.offset] = v
+            return
         # The layer as rows of [heads, dim]: block b's K rows, then its V rows.
-        rows = self.layer(layer).view(-1, self.num_kv_heads, self.head_dim)
+        rows = t.view(-1, *t.shape[-2:])
         rows.index_copy_(0, index.k_rows, k)
         rows.index_copy_(0, index.v_rows, v)
+
+    def write_latent(
+        self, layer: int, latent: torch.Tensor, rope: torch.Tensor, slots: Slots | SlotIndex
+    ) -> None:
+        """Store new tokens' MLA `latent` (`[tokens, head_dim]`) and `rope` part
+        (`[tokens, rope_dim]`) at their slots; as `write` otherwise."""
+        if not self.kv_layout.is_mla:
+            raise ValueError(f"write_latent needs the MLA layout; this cache is {self.layout}")
+        for name, t, width in (("latent", latent, self.head_dim), ("rope", rope, self.rope_dim)):
+            if t.dim() != 2 or t.shape[1] != width:
+                raise ValueError(f"{name} must have shape [tokens, {width}], got {tuple(t.shape)}")
+        index = self._write_index(slots, latent, rope)
+        latent_scale, rope_scale = self._scales[layer] if self._scales else (1.0, 1.0)
+        row = torch.cat([self._stored(latent, latent_scale), self._stored(rope, rope_scale)], 1)
+        rows = _raw(self.layer(layer)).view(-1, row.shape[1])
+        rows.index_copy_(0, index.slots, row)
+
+    def _write_index(self, slots: Slots | SlotIndex, a: torch.Tensor, b: torch.Tensor) -> SlotIndex:
+        """The slots of a write of `a` and `b`, once their dtypes, devices and lengths check."""
+        for t in (a, b):
+            fits = t.dtype in FP8_INPUT_DTYPES if self.is_fp8 else t.dtype == self.dtype
+            if not fits or t.device != self.device:
+                want = "float16/bfloat16/float32" if self.is_fp8 else str(self.dtype)
+                raise ValueError(
+                    f"got {t.dtype} on {t.device}; this {self.dtype} cache on {self.device} "
+                    f"takes {want} there"
+                )
+        if a.shape[0] != b.shape[0]:
+            raise ValueError(f"{a.shape[0]} tokens in one part but {b.shape[0]} in the other")
+        index = self.slot_tensor(slots)
+        if index.slots.shape[0] != a.shape[0]:
+            raise ValueError(f"{index.slots.shape[0]} slots for {a.shape[0]} tokens")
+        return index
+
+    def _stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """`x` as the cache stores it: quantized to float8 (saturating) and viewed as bytes, or
+        as it is."""
+        if not self.is_fp8:
+            return x
+        limit = torch.finfo(self.dtype).max
+        q = (x.float() / scale).clamp_(-limit, limit).to(self.dtype)
+        return q.view(torch.uint8)
 
     def copy_blocks(self, pairs: npt.NDArray[Any]) -> None:
         """Apply copy-on-write pairs `(src, dst)` (a plan's `copies`), in order.
@@ -233,13 +320,13 @@ class KVCache:
         groups = [ids] if independent else [ids[i : i + 1] for i in range(arr.shape[0])]
         for group in groups:
             s, d = group[:, 0], group[:, 1]
-            for t in self._layers:
+            for t in map(_raw, self._layers):
                 t[d] = t[s]
 
     def read_blocks(
         self, block_ids: npt.NDArray[Any], out: torch.Tensor | None = None
     ) -> HostBlocks:
-        """Copy blocks to host memory: `[n, layers, 2, block_size, kv_heads, head_dim]`.
+        """Copy blocks to host memory: `[n, layers, *page_shape]`.
 
         `out`, when given, is that host tensor (each `out[i]` contiguous; blocks may lie apart,
         say behind room for a header); pin it for an async copy from CUDA. On CUDA the copy is
@@ -248,7 +335,7 @@ class KVCache:
         overwrites a block) cannot change what it reads.
         """
         ids = self._block_ids(block_ids)
-        shape = (ids.size, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (ids.size, self.num_layers, *self.page_shape)
         cuda = self.device.type == "cuda"
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, pin_memory=cuda)
@@ -269,7 +356,7 @@ class KVCache:
                 idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
                 staging = torch.empty(shape, dtype=self.dtype, device=self.device)
                 for layer, t in enumerate(self._layers):
-                    torch.index_select(t, 0, idx, out=staging[:, layer])
+                    torch.index_select(_raw(t), 0, idx, out=_raw(staging[:, layer]))
                 if out.is_contiguous():
                     out.copy_(staging, non_blocking=True)
                 else:
@@ -292,7 +379,7 @@ class KVCache:
         Do not modify `host` afterwards until the current stream has passed the copy.
         """
         ids = self._block_ids(block_ids)
-        shape = (ids.size, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (ids.size, self.num_layers, *self.page_shape)
         if tuple(host.shape) != shape or host.dtype != self.dtype:
             raise ValueError(
                 f"host blocks must be {self.dtype} {shape}, got {host.dtype} {tuple(host.shape)}"
@@ -307,13 +394,12 @@ class KVCache:
         idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
         src = host.to(self.device, non_blocking=True)
         for layer, t in enumerate(self._layers):
-            t.index_copy_(0, idx, src[:, layer])
+            _raw(t).index_copy_(0, idx, _raw(src[:, layer]))
 
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block over all layers, as `read_blocks` lays it out."""
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return self.num_layers * per_layer * self.dtype.itemsize
+        return self.block_size * self.bytes_per_token
 
     def write_block_bytes(
         self, block_ids: npt.NDArray[Any], blocks: Sequence[bytes | bytearray | memoryview]
@@ -344,7 +430,7 @@ class KVCache:
         staging = torch.empty((ids.size, self.block_nbytes), dtype=torch.uint8, pin_memory=True)
         for row, view in zip(staging.numpy(), views, strict=True):
             np.copyto(row, view)
-        shape = (ids.size, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (ids.size, self.num_layers, *self.page_shape)
         self.write_blocks(ids, staging.view(self.dtype).view(shape))
 
     def _host_layer_bytes(self) -> list[npt.NDArray[np.uint8]]:
@@ -372,6 +458,11 @@ class KVCache:
                 f"got [{int(ids.min())}, {int(ids.max())}]"
             )
         return ids
+
+    def block_format(self) -> tuple[object, ...]:
+        """What two caches must share for their blocks' bytes to mean the same KV: layers,
+        block size, layout, dtype and scales."""
+        return (self.num_layers, self.block_size, self.kv_layout, self.dtype, self._scales)
 
     def swap_out(self, cpu_cache: KVCache, pairs: npt.NDArray[Any]) -> Transfer:
         """Copy this cache's blocks to `cpu_cache` by the `(gpu, cpu)` pairs of `swap_out`.
@@ -410,6 +501,30 @@ class Transfer:
             self.event.synchronize()
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as uint8 (indexed copies have no float8 kernels on every device), any
+    other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def _check_scales(
+    scales: npt.ArrayLike | None, num_layers: int, dtype: torch.dtype
+) -> tuple[tuple[float, float], ...]:
+    """Per-layer `(k, v)` scales of a float8 cache (ones by default); `()` for other dtypes."""
+    if dtype not in FP8_DTYPES:
+        if scales is not None:
+            raise ValueError(f"scales apply to float8 caches only, this cache is {dtype}")
+        return ()
+    arr = np.ones((num_layers, 2)) if scales is None else np.asarray(scales, dtype=np.float64)
+    if arr.shape != (num_layers, 2):
+        raise ValueError(
+            f"scales must have shape [num_layers, 2] = [{num_layers}, 2], got {list(arr.shape)}"
+        )
+    if not (np.isfinite(arr).all() and (arr > 0).all()):
+        raise ValueError("scales must be positive and finite")
+    return tuple((float(k), float(v)) for k, v in arr)
+
+
 def _as_bytes(t: torch.Tensor) -> npt.NDArray[np.uint8]:
     """A host tensor's bytes as a flat numpy array (any dtype, bf16 too): a writable view of
     `t` when `t` is contiguous, else a copy."""
@@ -436,12 +551,9 @@ def _copy_between(src: KVCache, dst: KVCache, pairs: npt.NDArray[Any], name: str
     copy per layer straight between the two caches (a block is contiguous in each), enqueued
     with `non_blocking=True`, and one event is recorded after the last layer.
     """
-    same = (src.num_layers, src.block_size, src.num_kv_heads, src.head_dim, src.dtype)
-    other = (dst.num_layers, dst.block_size, dst.num_kv_heads, dst.head_dim, dst.dtype)
+    same, other = src.block_format(), dst.block_format()
     if same != other:
-        raise ValueError(
-            f"caches differ in (layers, block_size, kv_heads, head_dim, dtype): {same} vs {other}"
-        )
+        raise ValueError(f"caches differ in their block format: {same} vs {other}")
     if src is dst:
         raise ValueError(f"{name}: source and destination are the same cache; use copy_blocks")
     arr = _pairs(name, pairs, src.num_blocks, dst.num_blocks)

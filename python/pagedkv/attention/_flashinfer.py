@@ -7,7 +7,12 @@ pinned host tensors (FlashInfer derives its schedule from them on the CPU and up
 asynchronous copies) and the page indices as a device tensor, all through `PlanStaging`, and
 passes `non_blocking=True`, so planning never waits for the device.
 
-Both wrappers run FlashInfer's FA2 kernels (`backend="fa2"`): the tensor-core decode and the
+The cache's layout is FlashInfer's `kv_layout` (NHD or HND); an MLA cache is planned into
+`BatchMLAPagedAttentionWrapper` (packed query and latent rows, CSR metadata) for decode and
+prefill alike. Float8 caches pass their layer's scales to `run` (`k_scale` / `v_scale`, or the
+MLA wrapper's `ckv_scale` / `kpe_scale`).
+
+All wrappers run FlashInfer's FA2 kernels (`backend="fa2"`): the tensor-core decode and the
 prefill then share one compiled module per dtype, head_dim and soft-cap setting, so a machine
 that JIT-compiles builds the fewest kernels, and no path silently moves to another kernel family.
 
@@ -22,8 +27,10 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
+from pagedkv._device import compute_capability
 from pagedkv.attention._plan import StepPlan
 from pagedkv.attention._spec import AttentionSpec
 from pagedkv.attention._staging import PlanStaging
@@ -35,6 +42,8 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 # head_dims FlashInfer ships prebuilt kernels for; any other one is compiled with nvcc.
 PREBUILT_HEAD_DIMS = (64, 128, 256)
 KERNELS = "fa2"
+# The one float8 MLA FlashInfer runs: (KV dtype, query dtype, latent width, rope width).
+MLA_FP8 = (torch.float8_e4m3fn, torch.bfloat16, 512, 64)
 
 
 def import_flashinfer() -> ModuleType:
@@ -48,16 +57,42 @@ def import_flashinfer() -> ModuleType:
         ) from exc
 
 
+def unsupported(spec: AttentionSpec) -> str | None:
+    """Why FlashInfer has no kernel for `spec`'s layout and dtypes (None when it has one)."""
+    if spec.dtype not in FLASHINFER_DTYPES:
+        return "FlashInfer takes float16 and bfloat16 queries"
+    if spec.kv_dtype != spec.dtype and not spec.kv_fp8:
+        return "FlashInfer reads KV of the query dtype, or float8"
+    layout = spec.layout
+    if not layout.is_mla:
+        return None
+    if spec.head_dim % 128 or layout.rope_dim % 64:
+        return "FlashInfer's MLA needs a latent width divisible by 128, a rope part by 64"
+    if spec.logits_soft_cap is not None:
+        return "FlashInfer's MLA has no logits soft cap"
+    if spec.kv_fp8:
+        if (spec.kv_dtype, spec.dtype, spec.head_dim, layout.rope_dim) != MLA_FP8:
+            return "FlashInfer's float8 MLA takes e4m3 KV, bfloat16 queries, latent 512, rope 64"
+        major, minor = compute_capability(spec.device)
+        if major != 9:
+            return (
+                f"FlashInfer's float8 MLA needs compute capability 9.x, the GPU has {major}.{minor}"
+            )
+    return None
+
+
 def check_spec(spec: AttentionSpec) -> None:
-    """Raise `ValueError` unless FlashInfer has kernels for `spec`'s device and dtype."""
+    """Raise `ValueError` unless FlashInfer has kernels for `spec`'s device, layout and dtypes."""
     if spec.device.type != "cuda":
         raise ValueError(f"backend='flashinfer' needs a CUDA device, got {spec.device}")
-    if spec.dtype not in FLASHINFER_DTYPES:
-        raise ValueError(f"backend='flashinfer' supports float16 and bfloat16, got {spec.dtype}")
+    why = unsupported(spec)
+    if why is not None:
+        raise ValueError(f"backend='flashinfer' cannot run the {spec.describe()}: {why}")
 
 
 class FlashInferBackend:
-    """FlashInfer decode (tensor cores) for all-decode steps, paged prefill for the rest."""
+    """FlashInfer decode (tensor cores) for all-decode steps, paged prefill for the rest; the
+    MLA wrapper for every step of an MLA cache."""
 
     name = "flashinfer"
 
@@ -65,13 +100,20 @@ class FlashInferBackend:
         check_spec(spec)
         self._fi = import_flashinfer()
         self._spec = spec
+        self._mla = spec.layout.is_mla
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=spec.device)
-        self._decode: Any = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=True, backend=KERNELS
-        )
-        self._prefill: Any = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=KERNELS
-        )
+        if self._mla:
+            self._eager: Any = self._fi.BatchMLAPagedAttentionWrapper(
+                self._workspace, backend=KERNELS
+            )
+        else:
+            layout = spec.layout.name
+            self._decode: Any = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, layout, use_tensor_cores=True, backend=KERNELS
+            )
+            self._prefill: Any = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, layout, backend=KERNELS
+            )
         self._graph_max_pages = graph_max_pages
         self._graph_decode: dict[int, Any] = {}
         self._staging = PlanStaging(spec.device)
@@ -86,28 +128,60 @@ class FlashInferBackend:
             def buf(n: int) -> torch.Tensor:
                 return torch.zeros(n, dtype=torch.int32, device=dev)
 
-            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=True,
-                paged_kv_indptr_buffer=buf(batch + 1),
-                paged_kv_indices_buffer=buf(self._graph_max_pages),
-                paged_kv_last_page_len_buffer=buf(batch),
-                backend=KERNELS,
-            )
+            if self._mla:
+                wrapper = self._fi.BatchMLAPagedAttentionWrapper(
+                    self._workspace,
+                    use_cuda_graph=True,
+                    qo_indptr=buf(batch + 1),
+                    kv_indptr=buf(batch + 1),
+                    kv_indices=buf(self._graph_max_pages),
+                    kv_len_arr=buf(batch),
+                    backend=KERNELS,
+                )
+            else:
+                wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace,
+                    self._spec.layout.name,
+                    use_cuda_graph=True,
+                    use_tensor_cores=True,
+                    paged_kv_indptr_buffer=buf(batch + 1),
+                    paged_kv_indices_buffer=buf(self._graph_max_pages),
+                    paged_kv_last_page_len_buffer=buf(batch),
+                    backend=KERNELS,
+                )
             self._graph_decode[batch] = wrapper
         return wrapper
 
     def plan(self, step: StepPlan, graph: bool) -> None:
-        """Plan the decode or the prefill wrapper for this step (see the module docstring).
+        """Plan the decode, prefill or MLA wrapper for this step (see the module docstring).
 
         With `graph`, `step` is a decode step already padded to a bucket size.
         """
         spec = self._spec
         pages = step.device_kv_indices
         host_pages = (step.kv_indices,) if pages is None else ()
-        if step.is_decode:
+        if self._mla:
+            kv_lens = step.kv_lens.astype(np.int32)
+            qo, indptr, lens, *indices_host = self._staging.stage(
+                (step.qo_indptr, step.kv_indptr, kv_lens, *host_pages)
+            )
+            uploaded = self._staging.upload((qo, indptr, lens, *indices_host))
+            indices = uploaded[3] if pages is None else pages
+            wrapper = self._graph_wrapper(step.batch_size) if graph else self._eager
+            fp8 = {"scale_mode": "kv-per-tensor"} if spec.kv_fp8 else {}
+            wrapper.plan(
+                metadata=self._fi.mla.MLAPlanMetadata.csr(qo, indptr, indices, lens),
+                num_heads=spec.num_qo_heads,
+                head_dim_ckv=spec.head_dim,
+                head_dim_kpe=spec.layout.rope_dim,
+                page_size=spec.block_size,
+                causal=True,
+                sm_scale=spec.sm_scale,
+                q_data_type=spec.dtype,
+                kv_data_type=spec.kv_dtype,
+                **fp8,
+            )
+        elif step.is_decode:
             indptr, last, *indices_host = self._staging.stage(
                 (step.kv_indptr, step.kv_last_page_len, *host_pages)
             )
@@ -154,13 +228,21 @@ class FlashInferBackend:
             "logits_soft_cap": spec.logits_soft_cap,
             "sm_scale": spec.sm_scale,
             "q_data_type": spec.dtype,
-            "kv_data_type": spec.dtype,
+            "kv_data_type": spec.kv_dtype,
             "non_blocking": True,
         }
 
-    def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """Run the planned wrapper on one layer's NHD cache tensor."""
+    def run(
+        self, q: torch.Tensor, kv: torch.Tensor, scales: tuple[float, float] | None
+    ) -> torch.Tensor:
+        """Run the planned wrapper on one layer's cache tensor, with its float8 scales."""
         if self._active is None:
             raise RuntimeError("plan() must be called before run()")
-        out: torch.Tensor = self._active.run(q, kv)
+        out: torch.Tensor
+        if self._mla:
+            fp8 = {} if scales is None else {"ckv_scale": scales[0], "kpe_scale": scales[1]}
+            out = self._active.run(query=q, kv_cache=kv, **fp8)
+        else:
+            fp8 = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+            out = self._active.run(q, kv, **fp8)
         return out

@@ -18,6 +18,7 @@ from pagedkv.attention._select import PREFERENCE, unfit_reason
 from pagedkv.attention._spec import AttentionSpec
 from pagedkv.attention._triton import TritonBackend
 from pagedkv.kv_cache import KVCache
+from pagedkv.kv_layout import KVLayout, Layout
 
 BackendName = Literal["auto", "flashinfer", "triton", "torch"]
 
@@ -27,7 +28,9 @@ class _Backend(Protocol):
 
     def plan(self, step: StepPlan, graph: bool) -> None: ...
 
-    def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor: ...
+    def run(
+        self, q: torch.Tensor, kv: torch.Tensor, scales: tuple[float, float] | None
+    ) -> torch.Tensor: ...
 
 
 class PagedAttention:
@@ -43,6 +46,14 @@ class PagedAttention:
     and head_dim and builds; `backend_reason` says why it was picked. `sm_scale` defaults to
     `1 / sqrt(head_dim)`; `logits_soft_cap`, when given, maps logits `x` to `cap * tanh(x / cap)`
     after scaling.
+
+    Layouts and KV dtypes: `layout` (`"NHD"`, `"HND"` or `"MLA"`, with `rope_dim`) and
+    `kv_dtype` (default `dtype`; float8 e4m3/e5m2 caches are read with their scales) must match
+    the `KVCache`. For MLA, `num_kv_heads` is 1, `head_dim` the latent width, `q` is
+    `[tokens, num_qo_heads, head_dim + rope_dim]` (the K up-projection absorbed into its latent
+    part) and the output `[tokens, num_qo_heads, head_dim]`, still in latent space; `sm_scale`
+    defaults to `1 / sqrt(head_dim + rope_dim)`. A backend that cannot run a layout or dtype is
+    skipped by `auto` (`backend_reason` says why) and raises `ValueError` when named.
 
     CUDA graphs: with `cuda_graph_batch_sizes`, a decode step of at most the largest size and
     at most `cuda_graph_max_pages` pages is padded to the smallest size that holds it and
@@ -64,6 +75,9 @@ class PagedAttention:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float16,
+        kv_dtype: torch.dtype | None = None,
+        layout: Layout = "NHD",
+        rope_dim: int = 0,
         sm_scale: float | None = None,
         logits_soft_cap: float | None = None,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
@@ -83,8 +97,11 @@ class PagedAttention:
             raise ValueError(
                 f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        for name, dt in (("dtype", dtype), ("kv_dtype", kv_dtype)):
+            if not dt.is_floating_point:
+                raise ValueError(f"{name} must be a floating point dtype, got {dt}")
+        kv_layout = KVLayout(layout, num_kv_heads, head_dim, rope_dim)
         if sm_scale is not None and not (math.isfinite(sm_scale) and sm_scale > 0):
             raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
         if logits_soft_cap is not None and not (
@@ -102,10 +119,12 @@ class PagedAttention:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             block_size=block_size,
-            sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+            sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim + rope_dim),
             logits_soft_cap=logits_soft_cap,
             dtype=dtype,
             device=resolve_device(device),
+            kv_dtype=kv_dtype,
+            layout=kv_layout,
         )
         self._graph_sizes = sizes
         self._graph_max_pages = cuda_graph_max_pages
@@ -210,7 +229,8 @@ class PagedAttention:
         return bucket
 
     def run(self, q: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """Attention output `[tokens, num_qo_heads, head_dim]` for `q` of the same shape.
+        """Attention output `[tokens, num_qo_heads, head_dim]` for `q`
+        `[tokens, num_qo_heads, head_dim + rope_dim]` (`rope_dim` is 0 but for MLA).
 
         `q` holds the step's query tokens in plan order; `cache` must already hold their K/V
         (see `KVCache.write`). The cache is checked against the plan at its first `run`.
@@ -219,7 +239,7 @@ class PagedAttention:
         if step is None:
             raise RuntimeError("PagedAttention.plan() must be called before run()")
         spec = self.spec
-        expected = (step.num_query_tokens, spec.num_qo_heads, spec.head_dim)
+        expected = (step.num_query_tokens, spec.num_qo_heads, spec.qk_dim)
         if tuple(q.shape) != expected:
             raise ValueError(f"q has shape {tuple(q.shape)}, the plan expects {expected}")
         if q.dtype != spec.dtype or q.device != spec.device:
@@ -232,7 +252,7 @@ class PagedAttention:
         if cache is not self._checked_cache:
             self._check_cache(cache, step)
             self._checked_cache = cache
-        return self._impl.run(q, cache.layer(layer))
+        return self._impl.run(q, cache.layer(layer), cache.scales(layer))
 
     def _check_cache(self, cache: KVCache, step: StepPlan) -> None:
         spec = self.spec
@@ -241,20 +261,15 @@ class PagedAttention:
                 f"the cache has block_size={cache.block_size} but the plan has "
                 f"block_size={step.block_size}"
             )
-        if (cache.block_size, cache.num_kv_heads, cache.head_dim) != (
-            spec.block_size,
-            spec.num_kv_heads,
-            spec.head_dim,
-        ):
+        if (cache.block_size, cache.kv_layout) != (spec.block_size, spec.layout):
             raise ValueError(
-                f"cache has block_size={cache.block_size}, num_kv_heads={cache.num_kv_heads}, "
-                f"head_dim={cache.head_dim}; attention expects {spec.block_size}, "
-                f"{spec.num_kv_heads}, {spec.head_dim}"
+                f"cache has block_size={cache.block_size} and {cache.kv_layout}; attention "
+                f"expects {spec.block_size} and {spec.layout}"
             )
-        if cache.dtype != spec.dtype or cache.device != spec.device:
+        if cache.dtype != spec.kv_dtype or cache.device != spec.device:
             raise ValueError(
-                f"cache is {cache.dtype} on {cache.device}, this PagedAttention is {spec.dtype} "
-                f"on {spec.device}"
+                f"cache is {cache.dtype} on {cache.device}, this PagedAttention reads "
+                f"{spec.kv_dtype} KV on {spec.device}"
             )
         if step.max_block_id >= cache.num_blocks:
             raise ValueError(

@@ -1,6 +1,10 @@
 """Paged attention in plain torch: the reference every fast backend is checked against.
 
-It consumes exactly the CSR plan FlashInfer gets. `plan` turns the page table into gather indices
+It consumes exactly the CSR plan FlashInfer gets, for every layout: NHD and HND gather K and V
+per head; MLA gathers each token's latent row, uses all of it (latent and rope part) as the one
+K head and its latent part as V, which is attention in MLA's absorbed form (the caller folds
+the K up-projection into `q` and applies the V up-projection to the output). A float8 cache
+is dequantized (`stored * scale`) as it is gathered. `plan` turns the page table into gather indices
 and a causal mask once per step; `run` gathers each sequence's K/V into a padded
 `[batch, max_kv_len]` block, attends with all sequences at once (no Python loop per token or per
 sequence) in float32 (float64 for float64 inputs), and scatters the rows back to plan order.
@@ -78,19 +82,19 @@ class TorchReference:
         """
         self._gather = _Gather(step, self._spec.device)
 
-    def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """Attend `q` `[tokens, qo_heads, dim]` over the paged layer `kv` (NHD, 5-D)."""
+    def run(
+        self, q: torch.Tensor, kv: torch.Tensor, scales: tuple[float, float] | None
+    ) -> torch.Tensor:
+        """Attend `q` `[tokens, qo_heads, qk_dim]` over the paged layer `kv`; `scales` are the
+        layer's float8 scales (None for other dtypes)."""
         g = self._gather
         if g is None:
             raise RuntimeError("plan() must be called before run()")
         spec = self._spec
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        hkv, group, dim = spec.num_kv_heads, spec.group_size, spec.head_dim
-
-        # kv[:, 0] is a view, so indexing it gathers only the needed slots, never the cache.
-        k = kv[:, 0][g.pages, g.offsets].to(compute)  # [B, max_kv, hkv, dim]
-        v = kv[:, 1][g.pages, g.offsets].to(compute)
-        qp = q[g.q_rows].to(compute).view(g.batch, g.max_q, hkv, group, dim)
+        hkv, group = spec.num_kv_heads, spec.group_size
+        k, v = self._gather_kv(kv, g, compute, scales or (1.0, 1.0))  # [B, max_kv, hkv, dim]
+        qp = q[g.q_rows].to(compute).view(g.batch, g.max_q, hkv, group, spec.qk_dim)
 
         logits = torch.einsum("bqhgd,bkhd->bhgqk", qp, k) * spec.sm_scale
         cap = spec.logits_soft_cap
@@ -99,5 +103,26 @@ class TorchReference:
         logits = logits.masked_fill(~g.allowed[:, None, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
-        out = out.reshape(g.batch * g.max_q, spec.num_qo_heads, dim)[g.out_rows]
+        out = out.reshape(g.batch * g.max_q, spec.num_qo_heads, spec.head_dim)[g.out_rows]
         return out.to(q.dtype)
+
+    def _gather_kv(
+        self, kv: torch.Tensor, g: _Gather, compute: torch.dtype, scales: tuple[float, float]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's K and V, `[batch, max_kv, kv_heads, dim]`, dequantized.
+
+        Indexing a view gathers only the needed slots, never the whole cache.
+        """
+        layout = self._spec.layout
+        if layout.is_mla:
+            latent_scale, rope_scale = scales
+            rows = kv[g.pages, g.offsets].to(compute)[:, :, None]  # [B, max_kv, 1, qk_dim]
+            latent = rows[..., : layout.head_dim] * latent_scale
+            k = torch.cat([latent, rows[..., layout.head_dim :] * rope_scale], dim=-1)
+            return k, latent
+        k_scale, v_scale = scales
+        if layout.name == "HND":
+            k, v = kv[:, 0][g.pages, :, g.offsets], kv[:, 1][g.pages, :, g.offsets]
+        else:
+            k, v = kv[:, 0][g.pages, g.offsets], kv[:, 1][g.pages, g.offsets]
+        return k.to(compute) * k_scale, v.to(compute) * v_scale

@@ -6,10 +6,19 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.kv_cache import FP8_DTYPES
+from pagedkv.kv_layout import KVLayout
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Heads, sizes, scaling and the q/KV dtype and device one `PagedAttention` is built for."""
+    """Heads, sizes, scaling, KV layout, and the q and KV dtypes and device one
+    `PagedAttention` is built for.
+
+    With the MLA layout, `num_kv_heads` is 1 and `head_dim` is the latent width: `q` is
+    `[tokens, num_qo_heads, head_dim + rope_dim]` and the output `[tokens, num_qo_heads,
+    head_dim]`.
+    """
 
     num_qo_heads: int
     num_kv_heads: int
@@ -19,8 +28,26 @@ class AttentionSpec:
     logits_soft_cap: float | None
     dtype: torch.dtype
     device: torch.device
+    kv_dtype: torch.dtype
+    layout: KVLayout
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA); query head `h` reads KV head `h // group_size`."""
         return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def qk_dim(self) -> int:
+        """Width of the q . k dot product: `head_dim`, plus the rope part for MLA."""
+        return self.head_dim + self.layout.rope_dim
+
+    @property
+    def kv_fp8(self) -> bool:
+        """True when the cache stores float8 with scales."""
+        return self.kv_dtype in FP8_DTYPES
+
+    def describe(self) -> str:
+        """The layout and dtypes in words, as errors and `backend_reason` name them."""
+        kv = str(self.kv_dtype).removeprefix("torch.")
+        q = str(self.dtype).removeprefix("torch.")
+        return f"{self.layout.name} layout with {kv} KV and {q} queries"

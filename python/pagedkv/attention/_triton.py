@@ -17,13 +17,17 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from pagedkv._device import triton_interpreter
+from pagedkv._device import compute_capability, triton_interpreter
 from pagedkv.attention._plan import IntArray, StepPlan
 from pagedkv.attention._spec import AttentionSpec
 from pagedkv.attention._staging import PlanStaging
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# An MLA latent row is K and V at once; its rope part has tiles of its own.
+MAX_LATENT_DIM, MAX_ROPE_DIM = 512, 128
+# float8 conversions need compute capability 8.9+ (Ada, Hopper and later).
+FP8_CAPABILITY = (8, 9)
 BLOCK_M_DECODE = 16
 # Key positions per loop step and prefill rows per program for rows (head_dim padded to a power
 # of two) of up to 256 bytes; wider rows take proportionally fewer (at least 16), so a program's
@@ -41,6 +45,24 @@ def import_triton_kernel() -> ModuleType:
             "backend='triton' needs Triton, which ships with torch's CUDA wheels "
             "(or pip install triton)"
         ) from exc
+
+
+def unsupported(spec: AttentionSpec) -> str | None:
+    """Why the kernel cannot run `spec`'s layout and dtypes (None when it can)."""
+    if spec.dtype not in TRITON_DTYPES:
+        return "Triton takes float16, bfloat16 and float32 queries"
+    if spec.kv_dtype != spec.dtype and not spec.kv_fp8:
+        return "Triton reads KV of the query dtype, or float8"
+    layout = spec.layout
+    if layout.is_mla and (spec.head_dim > MAX_LATENT_DIM or layout.rope_dim > MAX_ROPE_DIM):
+        return f"Triton's MLA takes latents up to {MAX_LATENT_DIM} and rope parts up to 128"
+    if not layout.is_mla and spec.head_dim > MAX_HEAD_DIM:
+        return f"Triton supports head_dim <= {MAX_HEAD_DIM}"
+    if spec.kv_fp8 and spec.device.type == "cuda":
+        major, minor = compute_capability(spec.device)
+        if (major, minor) < FP8_CAPABILITY:
+            return f"Triton converts float8 on compute capability 8.9+, the GPU has {major}.{minor}"
+    return None
 
 
 def tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -104,12 +126,9 @@ class TritonBackend:
                 f"backend='triton' needs a CUDA device, got {spec.device} "
                 "(set TRITON_INTERPRET=1 to run it in Triton's CPU interpreter)"
             )
-        if spec.dtype not in TRITON_DTYPES:
-            raise ValueError(
-                f"backend='triton' supports float16, bfloat16 and float32, got {spec.dtype}"
-            )
-        if spec.head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"backend='triton' supports head_dim <= {MAX_HEAD_DIM}")
+        why = unsupported(spec)
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot run the {spec.describe()}: {why}")
         self._kernel = import_triton_kernel().paged_attention_kernel
         self._spec = spec
         self._staging = PlanStaging(spec.device)
@@ -153,13 +172,27 @@ class TritonBackend:
             self._step = _DeviceStep(qo, indptr, indices, lens, tseq, trow, block_m)
         self._staging.finish()
 
-    def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """One kernel launch over the paged layer `kv` (NHD, 5-D) for the planned step."""
+    def run(
+        self, q: torch.Tensor, kv: torch.Tensor, scales: tuple[float, float] | None
+    ) -> torch.Tensor:
+        """One kernel launch over the paged layer `kv` for the planned step; `scales` are the
+        layer's float8 scales (None for other dtypes)."""
         st = self._step
         if st is None:
             raise RuntimeError("plan() must be called before run()")
         spec = self._spec
-        out = torch.empty_like(q)
+        mla = spec.layout.is_mla
+        out = q.new_empty(q.shape[0], spec.num_qo_heads, spec.head_dim)
+        # (block, K/V, slot, head) strides of the layer in its layout; MLA's V is its K.
+        if mla:
+            strides = (kv.stride(0), 0, kv.stride(1), 0)
+        elif spec.layout.name == "HND":
+            strides = (kv.stride(0), kv.stride(1), kv.stride(3), kv.stride(2))
+        else:
+            strides = (kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3))
+        first, second = scales or (1.0, 1.0)
+        # MLA: the latent's scale serves K and V, the rope part's its own (see the kernel).
+        v_scale, pe_scale = (first, second) if mla else (second, 1.0)
         cap = spec.logits_soft_cap
         self._kernel[(st.num_tiles, spec.num_kv_heads)](
             q,
@@ -171,20 +204,22 @@ class TritonBackend:
             st.kv_lens,
             st.tile_seq,
             st.tile_row,
-            spec.sm_scale,
+            spec.sm_scale * first,
+            spec.sm_scale * pe_scale,
+            v_scale,
             cap if cap is not None else 1.0,
             q.stride(0),
             q.stride(1),
             out.stride(0),
             out.stride(1),
-            kv.stride(0),
-            kv.stride(1),
-            kv.stride(2),
-            kv.stride(3),
+            *strides,
             PAGE=spec.block_size,
             GROUP=spec.group_size,
             HEAD_DIM=spec.head_dim,
+            ROPE_DIM=spec.layout.rope_dim,
             BLOCK_D=self._block_d,
+            BLOCK_R=max(16, 1 << (spec.layout.rope_dim - 1).bit_length()),
+            MLA=mla,
             BLOCK_M=st.block_m,
             BLOCK_N=self._block_n,
             HAS_CAP=cap is not None,

@@ -9,6 +9,13 @@ positions, gathering each position from its page (`kv_indices[kv_indptr[b] + j /
 sees positions `0 ..= kv_len - q_len + i` (bottom-right causal). Every length is read from
 device memory, so a launch captured in a CUDA graph stays right when a later plan changes them.
 
+Layouts are strides: a page's K/V index, token slot and head strides (`stride_kk`, `stride_ks`,
+`stride_kh`) describe NHD and HND alike. `MLA` reads one latent row per token: its first
+`HEAD_DIM` elements are K and V at once, the `ROPE_DIM` after them the rope part of K, matched
+by the rope part of `q`. KV of another dtype (float8) is converted to q's dtype as it is loaded;
+its scales are folded into the logits (`k_scale`, `pe_scale`, with `sm_scale`) and the output
+(`v_scale`).
+
 This module imports Triton at import time; `TRITON_INTERPRET=1` must be set before it is first
 imported for the kernel to run in Triton's CPU interpreter. `DOT_FP32` upcasts the dot operands
 to float32: the interpreter multiplies bfloat16 operands wrongly (Triton 3.x), so bfloat16 runs
@@ -38,7 +45,9 @@ def paged_attention_kernel(
     kv_lens_ptr,
     tile_seq_ptr,
     tile_row_ptr,
-    sm_scale,
+    k_scale,
+    pe_scale,
+    v_scale,
     soft_cap,
     stride_qt,
     stride_qh,
@@ -51,7 +60,10 @@ def paged_attention_kernel(
     PAGE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MLA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_CAP: tl.constexpr,
@@ -82,6 +94,14 @@ def paged_attention_kernel(
     )
     if DOT_FP32:
         q = q.to(tl.float32)
+    if MLA:
+        r = tl.arange(0, BLOCK_R)
+        r_valid = r < ROPE_DIM
+        q_pe = tl.load(
+            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + HEAD_DIM + r[None, :],
+            mask=row_valid[:, None] & r_valid[None, :],
+            other=0.0,
+        ).to(q.dtype)
     q_pos = kv_len - q_len + qi
     last_row = tl.minimum(row0 + BLOCK_M, q_len * GROUP) - 1
     hi = kv_len - q_len + last_row // GROUP + 1
@@ -95,12 +115,19 @@ def paged_attention_kernel(
         page = tl.load(kv_indices_ptr + page_start + j // PAGE, mask=j_valid, other=0)
         base = page.to(tl.int64) * stride_kb + (j % PAGE) * stride_ks + kv_head * stride_kh
         kv_mask = j_valid[:, None] & d_valid[None, :]
-        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_ptr + stride_kk + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale
+        if MLA:
+            v = k
+            k_pe = tl.load(
+                kv_ptr + base[:, None] + HEAD_DIM + r[None, :],
+                mask=j_valid[:, None] & r_valid[None, :],
+                other=0.0,
+            ).to(q.dtype)
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION) * pe_scale
+        else:
+            v_ptrs = kv_ptr + stride_kk + base[:, None] + d[None, :]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         if HAS_CAP:
             s = soft_cap * _tanh(s / soft_cap)
         allowed = (j[None, :] <= q_pos[:, None]) & j_valid[None, :]
@@ -113,7 +140,7 @@ def paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),

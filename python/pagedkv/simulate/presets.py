@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedkv.kv_layout import KVLayout, Layout
 from pagedkv.simulate.errors import ConfigError
 
 
@@ -19,7 +20,10 @@ class TracePreset:
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """A model as the simulator sees it: KV bytes per token, weight bytes and context length."""
+    """A model as the simulator sees it: KV bytes per token, weight bytes and context length.
+
+    `kv_layout` is per-head K and V (`NHD`) or MLA's latent of `head_dim` plus `rope_dim`.
+    """
 
     name: str
     num_layers: int
@@ -28,12 +32,16 @@ class ModelPreset:
     num_params: float
     max_len: int
     source: str
-    dtype_bytes: int = 2  # fp16 / bf16 weights and KV
+    dtype_bytes: int = 2  # fp16 / bf16 weights
+    kv_layout: Layout = "NHD"
+    rope_dim: int = 0
+    kv_dtype_bytes: int = 2  # 1 for a float8 KV cache
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """The KV of every layer for one token."""
+        kv = KVLayout(self.kv_layout, self.num_kv_heads, self.head_dim, self.rope_dim)
+        return kv.bytes_per_token(self.num_layers, self.kv_dtype_bytes)
 
     @property
     def weight_bytes(self) -> float:
@@ -101,6 +109,29 @@ MODELS: dict[str, ModelPreset] = {
             "Llama-3-70B", 80, 8, 128, 70.55e9, 8192, "meta-llama/Meta-Llama-3-70B config.json"
         ),
         ModelPreset("Qwen2.5-7B", 28, 4, 128, 7.62e9, 32768, "Qwen/Qwen2.5-7B config.json"),
+        ModelPreset(
+            "DeepSeek-V2-Lite",
+            27,
+            1,
+            512,
+            15.7e9,
+            32768,
+            "deepseek-ai/DeepSeek-V2-Lite config.json (MLA: kv_lora_rank 512, rope 64)",
+            kv_layout="MLA",
+            rope_dim=64,
+        ),
+        ModelPreset(
+            "DeepSeek-V3",
+            61,
+            1,
+            512,
+            671e9,
+            163840,
+            "deepseek-ai/DeepSeek-V3 config.json (MLA: kv_lora_rank 512, rope 64; FP8 weights)",
+            dtype_bytes=1,
+            kv_layout="MLA",
+            rope_dim=64,
+        ),
     )
 }
 

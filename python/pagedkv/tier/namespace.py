@@ -1,9 +1,10 @@
 """Store keys: `pagedkv:v1:<namespace digest>:<32 hex digits of the block's chain hash>`.
 
 The namespace digest covers everything that makes two engines' KV interchangeable: the model
-id, the KV layout, dtype, block size, layers, KV heads, head dim and the fingerprint of the
-manager's hash key. Two engines share blocks exactly when all of these agree. Salts (tenants)
-are already inside the chain hash, so two tenants never share a key.
+id, the KV layout, dtype, block size, layers, KV heads, head dim (and MLA's rope part, float8
+scales) and the fingerprint of the manager's hash key. Two engines share blocks exactly when
+all of these agree. Salts (tenants) are already inside the chain hash, so two tenants never
+share a key.
 
 >>> ns = Namespace("llama-7b", BlockSpec(32, 16, 8, 128, "float16"), "0123456789abcdef")
 >>> ns.key(255).decode()[-34:]
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from pagedkv.tier.codec import BlockSpec
 
 KEY_PREFIX = "pagedkv:v1:"
-KV_LAYOUT = "NHD"
 _HASH_MASK = (1 << 128) - 1
 
 
@@ -29,7 +29,6 @@ class Namespace:
     model_id: str
     spec: BlockSpec
     hash_key_fingerprint: str
-    layout: str = KV_LAYOUT
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -39,9 +38,9 @@ class Namespace:
     def digest(self) -> str:
         """32 hex digits naming this namespace (BLAKE2b of its fields)."""
         s = self.spec
-        fields = (
+        fields: tuple[object, ...] = (
             self.model_id,
-            self.layout,
+            s.layout,
             s.dtype,
             s.block_size,
             s.num_layers,
@@ -49,6 +48,11 @@ class Namespace:
             s.head_dim,
             self.hash_key_fingerprint,
         )
+        # Appended only when set, so the keys of float NHD/HND caches stay what they were.
+        if s.rope_dim:
+            fields += (f"rope_dim={s.rope_dim}",)
+        if s.scales:
+            fields += (f"scales={s.scales!r}",)
         # Length-prefixed fields, so no two different tuples serialize alike.
         text = "".join(f"{len(str(f))}:{f};" for f in fields)
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -105,9 +105,19 @@ class _HostBuffers:
 
 
 def block_spec(cache: KVCache) -> BlockSpec:
-    """The `BlockSpec` of one block of `cache`."""
+    """The `BlockSpec` of one block of `cache`: its shape, dtype, layout and scales."""
     dtype = str(cache.dtype).removeprefix("torch.")
-    return BlockSpec(cache.num_layers, cache.block_size, cache.num_kv_heads, cache.head_dim, dtype)
+    scales = tuple(s for layer in range(cache.num_layers) if (s := cache.scales(layer)))
+    return BlockSpec(
+        cache.num_layers,
+        cache.block_size,
+        cache.num_kv_heads,
+        cache.head_dim,
+        dtype,
+        cache.layout,
+        cache.rope_dim,
+        scales,
+    )
 
 
 class KVTier:
@@ -248,7 +258,7 @@ class KVTier:
         c, n = self.cache, len(hashes)
         buffer = self._buffers.take(n)
         values = buffer[:n]
-        shape = (n, c.num_layers, 2, c.block_size, c.num_kv_heads, c.head_dim)
+        shape = (n, c.num_layers, *c.page_shape)
         blocks = values[:, HEADER_SIZE:].view(c.dtype).view(shape)
         return _SaveBatch(hashes, buffer, values, c.read_blocks(block_ids, out=blocks))
 
