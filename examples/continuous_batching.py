@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -517,10 +518,7 @@ def tiny_llama(seed: int = 0, vocab_size: int = 128) -> LlamaForCausalLM:
         eos_token_id=None,
         pad_token_id=None,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.eval()
-    return model
+    return _seeded(LlamaForCausalLM, config, seed)
 
 
 def tiny_deepseek(seed: int = 0, vocab_size: int = 128) -> DeepseekV3ForCausalLM:
@@ -549,8 +547,13 @@ def tiny_deepseek(seed: int = 0, vocab_size: int = 128) -> DeepseekV3ForCausalLM
         eos_token_id=None,
         pad_token_id=None,
     )
+    return _seeded(DeepseekV3ForCausalLM, config, seed)
+
+
+def _seeded(model_class: Any, config: Any, seed: int) -> Any:
+    """`model_class(config)` with its random weights drawn from `seed`, in eval mode."""
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config)
+    model = model_class(config)
     model.eval()
     return model
 
