@@ -72,8 +72,8 @@ fn bench_append(c: &mut Criterion) {
 /// Each iteration is one decode step of 256 sequences (one token each) with its attention
 /// inputs, which also commits the previous step (its filled blocks become shareable): the
 /// one-shot `step` into a reused `Plan` (the whole CSR), and `step_batch` on a persistent
-/// `Batch` (only what changed), with prefix caching on and off. A batch's first step also
-/// commits its prefill, so the figures are averages over a batch's steps.
+/// `Batch` (only what changed), with prefix caching on and off. A batch's first step, which
+/// also commits its prefill, is not timed.
 fn bench_step(c: &mut Criterion) {
     let blocks = 2 * Decoding::blocks();
     let mut decoding = Decoding::new(Arc::new(manager(blocks, true)));

@@ -103,12 +103,19 @@ impl Decoding {
         }
     }
 
-    /// Runs `iters` steps; returns the time spent stepping (re-admissions are not timed).
+    /// Runs `iters` decode steps; returns the time spent stepping. Re-admissions and each
+    /// batch's first step, which commits its prefill (registers every prompt block), are not
+    /// timed.
     pub fn time(&mut self, iters: u64, how: Stepping) -> Duration {
         let mut elapsed = Duration::ZERO;
         let mut left = iters as usize;
         while left > 0 {
             let tokens = self.tokens.take(BATCH);
+            if self.steps == 0 {
+                self.step(how, &tokens);
+                self.advance(1);
+                continue;
+            }
             let chunk = left.min(MAX_STEPS - self.steps);
             let start = Instant::now();
             for _ in 0..chunk {
