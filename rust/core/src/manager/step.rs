@@ -315,5 +315,6 @@ impl DecodeRows for Batch {
         &mut self.inputs
     }
 }
+
 #[cfg(all(test, not(loom)))]
 mod tests;
