@@ -129,6 +129,28 @@ def test_every_sharer_of_a_partial_block_copies_it() -> None:
     mgr.check()
 
 
+def test_a_verify_step_plans_every_draft_and_a_rollback_drops_the_rejected() -> None:
+    mgr = BlockManager(16, 4, hash_key=KEY)
+    admitted(mgr, 1, [1, 2, 3, 4, 5])  # blocks 0, 1
+    admitted(mgr, 2, [9, 9, 9])  # block 2
+    batch = Batch()
+    batch.add(1)
+    batch.add(2)
+    mgr.verify_batch(batch, [6, 60, 61, 62, 7], [4, 1])  # row 1: last token + 3 drafts
+    assert batch.qo_indptr.tolist() == [0, 4, 5]
+    assert batch.positions.tolist() == [5, 6, 7, 8, 3]
+    assert batch.kv_indptr.tolist() == [0, 3, 4] and batch.block_table[0, :3].tolist() == [0, 1, 3]
+    mgr.rollback_batch(batch, np.array([2, 0], dtype=np.uint64))  # 61 and 62 rejected
+    assert mgr.token_ids(1).tolist() == [1, 2, 3, 4, 5, 6, 60]
+    assert batch.block_table[0, :3].tolist() == [0, 1, -1]
+    mgr.check()
+    with pytest.raises(ValueError, match="cannot roll back 3"):
+        mgr.rollback([2], [3])  # its prompt is committed
+    with pytest.raises(ValueError, match="add up to"):
+        mgr.verify_batch(batch, [1, 2], [1, 2])
+    mgr.check()
+
+
 def test_an_empty_batch_steps_to_empty_inputs() -> None:
     mgr = BlockManager(8, 4, hash_key=KEY)
     batch = Batch()

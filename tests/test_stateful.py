@@ -342,6 +342,50 @@ class BindingMachine(RuleBasedStateMachine):
 
         self.both("step_batch", lambda m: inputs(m.step(order, tokens)), stepped)
 
+    @precondition(lambda self: bool(self.live - self.swapped))
+    @rule(data=st.data())
+    def verify_and_roll_back(self, data: st.DataObject) -> None:
+        """A speculative step: each row appends its drafts (`verify_batch`), through the
+        varied manager's persistent batch and a new batch of the same rows on the canonical
+        one; then both drop a drawn number of them (`rollback_batch` against `rollback`)."""
+        drawn = self.batch(data, self.live - self.swapped)
+        for seq_id in self.rows.seq_ids.tolist():
+            if seq_id not in drawn:
+                self.rows.remove(seq_id)
+        for seq_id in drawn:
+            if seq_id not in self.rows:
+                self.rows.add(seq_id)
+        order = self.rows.seq_ids.tolist()
+        if data.draw(st.integers(0, 4)):
+            self.prefill(data, order)
+        counts = data.draw(st.lists(st.integers(1, 4), min_size=len(order), max_size=len(order)))
+        tokens = data.draw(st.lists(token, min_size=sum(counts), max_size=sum(counts)))
+        fields = (*(f for f in PLAN_ARRAYS if f != "block_tables"), "block_size")
+
+        def inputs(source: Any) -> dict[str, Any]:
+            return {name: plain(getattr(source, name)) for name in fields}
+
+        def appended(m: BlockManager) -> dict[str, Any]:
+            rows = Batch()
+            for seq_id in order:
+                rows.add(seq_id)
+            m.verify_batch(rows, tokens, counts)
+            return inputs(rows)
+
+        def verified(m: BlockManager) -> dict[str, Any]:
+            m.verify_batch(self.rows, self.ids(data, tokens), self.ids(data, counts))
+            return inputs(self.rows)
+
+        done, _ = self.both("verify_batch", appended, verified)
+        if not done:
+            return
+        rejected = [data.draw(st.integers(0, count - 1)) for count in counts]
+        self.both(
+            "rollback",
+            lambda m: m.rollback(order, rejected),
+            lambda m: m.rollback_batch(self.rows, self.ids(data, rejected)),
+        )
+
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def plan(self, data: st.DataObject) -> None:

@@ -200,8 +200,9 @@ impl Batch {
     }
 
     /// The last step's attention inputs, as a [`Plan`] whose `kv_indices` is empty (derive it
-    /// from the table: [`Batch::write_kv_indices`]). One query token per row; empty after a
-    /// row was added or removed, until the next step.
+    /// from the table: [`Batch::write_kv_indices`]): one query token per row after a decode
+    /// step, each row's appended tokens after a verify step. Empty after a row was added or
+    /// removed, until the next step.
     pub fn inputs(&self) -> &Plan {
         &self.inputs
     }
@@ -251,24 +252,22 @@ impl Batch {
         Ok(())
     }
 
-    /// Starts a step's inputs for every row: one query token each, blocks of `bs` tokens.
-    pub(crate) fn begin(&mut self, bs: BlockSize) {
+    /// Starts a step's inputs for every row: `queries` query tokens in all, blocks of `bs`
+    /// tokens.
+    pub(crate) fn begin(&mut self, queries: usize, bs: BlockSize) {
         let (n, inputs) = (self.ids.len(), &mut self.inputs);
         inputs.clear();
         inputs.block_size = bs.get() as u32;
-        inputs.qo_indptr.extend(1..=n as i32);
+        inputs.qo_indptr.resize(n + 1, 0);
         inputs.kv_indptr.resize(n + 1, 0);
-        for array in [
-            &mut inputs.kv_last_page_len,
-            &mut inputs.positions,
-            &mut inputs.slot_mapping,
-        ] {
-            array.resize(n, 0);
-        }
+        inputs.kv_last_page_len.resize(n, 0);
+        inputs.positions.resize(queries, 0);
+        inputs.slot_mapping.resize(queries, 0);
     }
 
     /// Writes row `row`'s inputs for its sequence of `len` tokens in `blocks` (a table of
-    /// version `version`), after rows `0..row`, and makes its table row mirror `blocks`.
+    /// version `version`), the last `q` of them queries, after rows `0..row`, and makes its
+    /// table row mirror `blocks`.
     #[inline(always)]
     pub(crate) fn push(
         &mut self,
@@ -276,15 +275,34 @@ impl Batch {
         blocks: &[BlockId],
         version: u64,
         len: usize,
+        q: usize,
         bs: BlockSize,
     ) {
         self.sync_row(row, blocks, version);
         let inputs = &mut self.inputs;
         inputs.kv_indptr[row + 1] = inputs.kv_indptr[row] + blocks.len() as i32;
-        let (position, offset) = (len - 1, bs.offset(len - 1));
-        inputs.positions[row] = position as i32;
-        inputs.kv_last_page_len[row] = offset as i32 + 1;
-        inputs.slot_mapping[row] = (blocks[bs.index(position)] as usize * bs.get() + offset) as i32;
+        inputs.kv_last_page_len[row] = bs.offset(len - 1) as i32 + 1;
+        let first = inputs.qo_indptr[row] as usize;
+        inputs.qo_indptr[row + 1] = (first + q) as i32;
+        for (i, position) in (len - q..len).enumerate() {
+            let slot = blocks[bs.index(position)] as usize * bs.get() + bs.offset(position);
+            inputs.positions[first + i] = position as i32;
+            inputs.slot_mapping[first + i] = slot as i32;
+        }
+    }
+
+    /// After a rollback left `blocks` (version `version`) of a table of version `before`:
+    /// a row that mirrored `before` clears its entries past them and mirrors `version`; any
+    /// other row is copied whole by the next step.
+    pub(crate) fn trim_row(&mut self, row: usize, blocks: &[BlockId], before: u64, version: u64) {
+        if self.versions[row] != before {
+            return;
+        }
+        for col in blocks.len()..self.pages[row] {
+            self.set(row, col, PAD);
+        }
+        self.pages[row] = self.pages[row].min(blocks.len());
+        self.versions[row] = version;
     }
 
     /// Makes row `row` mirror `blocks`, a table of version `version`: only the entries past
@@ -420,9 +438,9 @@ mod tests {
     fn changing_rows_empties_the_inputs() {
         let mut batch = batch_of(&[1, 2], 1);
         let bs = BlockSize::new(4);
-        batch.begin(bs);
+        batch.begin(2, bs);
         for row in 0..2 {
-            batch.push(row, &[row as BlockId], 1, 2, bs);
+            batch.push(row, &[row as BlockId], 1, 2, 1, bs);
         }
         assert_eq!(batch.inputs().slot_mapping, vec![1, 5]);
         let mut pages = Vec::new();

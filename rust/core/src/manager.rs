@@ -6,6 +6,7 @@ mod admission;
 mod audit;
 mod fork;
 mod lifecycle;
+mod rollback;
 mod step;
 mod swap;
 #[cfg(all(test, not(loom)))]
@@ -105,10 +106,10 @@ impl BlockManager {
         if s.swapped {
             self.release_cpu_blocks(&s.table);
         } else {
-            self.release_gpu_blocks(&s.table, len);
+            self.release_gpu_blocks(&s.table, 0, len);
         }
         match &s.swap_source {
-            Some(gpu) if s.swapped => self.release_gpu_blocks(gpu, len),
+            Some(gpu) if s.swapped => self.release_gpu_blocks(gpu, 0, len),
             Some(cpu) => self.release_cpu_blocks(cpu),
             None => {}
         }
@@ -218,9 +219,9 @@ impl BlockManager {
             })
     }
 
-    /// Releases the GPU block table of `len` tokens, last block first.
-    fn release_gpu_blocks(&self, table: &[BlockId], len: usize) {
-        let blocks = table.iter().enumerate().rev();
+    /// Releases blocks `from..` of the GPU block table of `len` tokens, last block first.
+    fn release_gpu_blocks(&self, table: &[BlockId], from: usize, len: usize) {
+        let blocks = table.iter().enumerate().skip(from).rev();
         self.gpu
             .release_blocks(blocks.map(|(i, &block)| (block, self.bs.fill(i, len))));
     }

@@ -285,6 +285,11 @@ impl BlockPool {
         self.stored_tokens.fetch_add(tokens, Ordering::Relaxed);
     }
 
+    /// Counts `tokens` no longer written in held blocks (dropped from a block that stays held).
+    pub(crate) fn remove_stored(&self, tokens: usize) {
+        self.stored_tokens.fetch_sub(tokens, Ordering::Relaxed);
+    }
+
     /// Drops one reference to a block holding `fill` tokens (all its holders agree on that);
     /// at zero they no longer count as stored. See [`Released`].
     pub(crate) fn release_block(&self, block: BlockId, fill: u32) -> Released {

@@ -118,6 +118,9 @@ struct Seen {
     /// Successful `step_batch` calls, and those whose rows carried copies.
     batch_steps: u64,
     batch_copies: u64,
+    /// Successful `verify_batch` calls with drafts, and tokens rolled back.
+    verify_steps: u64,
+    rolled_back: u64,
 }
 
 /// SEMANTICS.md executed literally, one plain data structure per concept.
@@ -566,8 +569,18 @@ impl Model {
     }
 
     fn step(&mut self, seqs: &[SeqId], tokens: &[Token]) -> Expect<Plan> {
+        self.verify(seqs, tokens, &vec![1; seqs.len()])
+    }
+
+    /// `step` with `counts[i]` tokens for `seqs[i]` (`verify_batch`; `step` is all ones).
+    fn verify(&mut self, seqs: &[SeqId], tokens: &[Token], counts: &[u32]) -> Expect<Plan> {
         let mut errs = Vec::new();
-        if seqs.len() != tokens.len() || has_repeats(seqs) {
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        if seqs.len() != counts.len()
+            || total != tokens.len()
+            || counts.contains(&0)
+            || has_repeats(seqs)
+        {
             errs.push(invalid());
         }
         for &s in seqs {
@@ -589,20 +602,61 @@ impl Model {
         }
         let needed: usize = seqs
             .iter()
-            .map(|s| self.append_needed(&self.seqs[s], 1))
+            .zip(counts)
+            .map(|(s, &c)| self.append_needed(&self.seqs[s], c as usize))
             .sum();
         if needed > self.available() {
             let available = self.available();
             return self.out_of_blocks(PoolKind::Gpu, needed, available);
         }
         let mut p = self.begin_plan();
-        for (&s, &t) in seqs.iter().zip(tokens) {
+        let mut rest = tokens;
+        for (&s, &c) in seqs.iter().zip(counts) {
+            let (appended, after) = rest.split_at(c as usize);
+            rest = after;
             self.auto_commit(s);
-            self.do_append(s, &[t]);
-            self.plan_row(s, 1, &mut p);
+            self.do_append(s, appended);
+            self.plan_row(s, c as usize, &mut p);
         }
         self.finish_plan(&mut p);
         Ok(p)
+    }
+
+    /// `rollback`: drops the last `counts[i]` (uncommitted) tokens of `seqs[i]`; the blocks
+    /// past the new length are released, last first.
+    fn rollback(&mut self, seqs: &[SeqId], counts: &[usize]) -> Expect<()> {
+        let mut errs = Vec::new();
+        if seqs.len() != counts.len() || has_repeats(seqs) {
+            errs.push(invalid());
+        }
+        for (&seq, &count) in seqs.iter().zip(counts) {
+            self.gpu_seq_errors(seq, &mut errs);
+            if let Some(m) = self.seqs.get(&seq) {
+                let len = m.tokens.len();
+                if m.swap_source.is_some() || count > len - m.computed || count == len {
+                    errs.push(invalid());
+                }
+            }
+        }
+        if !errs.is_empty() {
+            return Err(errs);
+        }
+        for (&seq, &count) in seqs.iter().zip(counts) {
+            let m = self.seqs.get_mut(&seq).expect("model: validated");
+            let len = m.tokens.len() - count;
+            let pages = len.div_ceil(self.bs);
+            let dropped: Vec<BlockId> = m.table.drain(pages..).rev().collect();
+            m.tokens.truncate(len);
+            m.planned = m.planned.min(len);
+            for c in &mut m.copying {
+                c.until = c.until.min(len);
+            }
+            for b in dropped {
+                self.release(b);
+            }
+            self.seen.rolled_back += count as u64;
+        }
+        Ok(())
     }
 
     fn plan(&mut self, seqs: &[SeqId], query_lens: &[u32]) -> Expect<Plan> {
@@ -1125,6 +1179,21 @@ enum Op {
         batch: Batch,
         query_lens: Vec<Count>,
     },
+    /// `verify_batch` through the harness's persistent batch, its rows made those of `batch`
+    /// first: each row appends its drafted tokens, 1 to 5 (or a raw, possibly bad, count).
+    Verify {
+        batch: Batch,
+        counts: Vec<Count>,
+        tokens: Vec<Token>,
+        extra_token: bool,
+    },
+    /// `rollback` of up to each sequence's uncommitted tokens, or `rollback_batch` of the
+    /// harness's persistent batch, its rows made those of `batch` first.
+    Rollback {
+        batch: Batch,
+        counts: Vec<Count>,
+        persistent: bool,
+    },
     Commit {
         batch: Batch,
         upto: Option<Vec<Count>>,
@@ -1234,6 +1303,20 @@ fn op() -> impl Strategy<Value = Op> {
             }),
         6 => (batch(4), prop::collection::vec(count(), 5))
             .prop_map(|(batch, query_lens)| Op::Plan { batch, query_lens }),
+        4 => (
+            batch(4),
+            prop::collection::vec(count(), 4),
+            prop::collection::vec(token(), 8),
+            prop::bool::weighted(0.03),
+        )
+            .prop_map(|(batch, counts, tokens, extra_token)| Op::Verify {
+                batch,
+                counts,
+                tokens,
+                extra_token,
+            }),
+        4 => (batch(3), prop::collection::vec(count(), 3), any::<bool>())
+            .prop_map(|(batch, counts, persistent)| Op::Rollback { batch, counts, persistent }),
         3 => (
             batch(3),
             prop::option::weighted(0.3, prop::collection::vec(count(), 4)),
@@ -1548,6 +1631,61 @@ impl Harness {
                 let real = self.real.plan(&seqs, &qs, &mut self.plan);
                 let model = self.model.plan(&seqs, &qs);
                 self.same_planned(real, model)?;
+            }
+            Op::Verify {
+                batch,
+                counts,
+                tokens,
+                extra_token,
+            } => {
+                let seqs = self.resolve_batch(batch, Want::Ready);
+                if seqs.is_empty() || has_repeats(&seqs) {
+                    return Ok(());
+                }
+                let seqs = self.make_rows(&seqs);
+                let counts: Vec<u32> = (counts.iter().cycle())
+                    .take(seqs.len())
+                    .map(|c| c.resolve(1, 5, 1) as u32)
+                    .collect();
+                let total: usize = counts.iter().map(|&c| c as usize).sum();
+                let mut tokens: Vec<Token> = tokens.iter().copied().cycle().take(total).collect();
+                if *extra_token {
+                    tokens.push(0);
+                }
+                let model = self.model.verify(&seqs, &tokens, &counts);
+                let verified = model.is_ok() && counts.iter().any(|&c| c > 1);
+                let real = self.real.verify_batch(&mut self.batch, &tokens, &counts);
+                self.same_batch_step(real, model)?;
+                self.model.seen.verify_steps += u64::from(verified);
+            }
+            Op::Rollback {
+                batch,
+                counts,
+                persistent,
+            } => {
+                let mut seqs = self.resolve_batch(batch, Want::Resident);
+                if seqs.is_empty() {
+                    return Ok(());
+                }
+                let persistent = *persistent && !has_repeats(&seqs);
+                if persistent {
+                    seqs = self.make_rows(&seqs);
+                }
+                let counts: Vec<usize> = seqs
+                    .iter()
+                    .zip(counts.iter().cycle())
+                    .map(|(s, n)| {
+                        let (_, computed, len, _) = progress(self.model.seqs.get(s));
+                        let uncommitted = (len - computed).min(len - 1);
+                        n.resolve(0, uncommitted, uncommitted)
+                    })
+                    .collect();
+                let real = if persistent {
+                    self.real.rollback_batch(&mut self.batch, &counts)
+                } else {
+                    self.real.rollback(&seqs, &counts)
+                };
+                same(real, self.model.rollback(&seqs, &counts))?;
             }
             Op::Commit {
                 batch,
@@ -1910,6 +2048,8 @@ struct Summary {
     out_of_blocks: AtomicU64,
     batch_steps: AtomicU64,
     batch_copies: AtomicU64,
+    verify_steps: AtomicU64,
+    rolled_back: AtomicU64,
 }
 
 impl Summary {
@@ -1929,6 +2069,8 @@ impl Summary {
             (&self.out_of_blocks, seen.out_of_blocks),
             (&self.batch_steps, seen.batch_steps),
             (&self.batch_copies, seen.batch_copies),
+            (&self.verify_steps, seen.verify_steps),
+            (&self.rolled_back, seen.rolled_back),
         ] {
             counter.fetch_add(n, Ordering::Relaxed);
         }
@@ -1983,6 +2125,8 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>) {
         ("OutOfBlocks", &summary.out_of_blocks),
         ("persistent batch steps", &summary.batch_steps),
         ("copies in persistent batch steps", &summary.batch_copies),
+        ("verify steps with drafts", &summary.verify_steps),
+        ("rolled-back tokens", &summary.rolled_back),
     ] {
         assert!(get(counter) > 0, "the run never exercised {what}");
     }

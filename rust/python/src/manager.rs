@@ -272,6 +272,50 @@ impl BlockManager {
             .map_err(to_py)
     }
 
+    /// A speculative step of a persistent batch: row `r` appends its next `counts[r]` tokens
+    /// of `token_ids` (its last sampled token, then its drafts), all planned as queries.
+    fn verify_batch(
+        &self,
+        py: Python<'_>,
+        batch: &Bound<'_, Batch>,
+        token_ids: &Bound<'_, PyAny>,
+        counts: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let tokens = self::token_ids(token_ids)?;
+        let counts: Vec<u32> = integers(counts, "counts")?;
+        let mut batch = batch.try_borrow_mut()?;
+        let batch = &mut batch.inner;
+        py.detach(|| self.inner.verify_batch(batch, &tokens, &counts))
+            .map_err(to_py)
+    }
+
+    /// Drops the last `counts[i]` uncommitted tokens of each sequence (rejected drafts).
+    fn rollback(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        counts: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids = self::seq_ids(seq_ids)?;
+        let counts = token_counts(counts)?;
+        py.detach(|| self.inner.rollback(&ids, &counts))
+            .map_err(to_py)
+    }
+
+    /// `rollback` of every row of a persistent batch, its table rows trimmed alike.
+    fn rollback_batch(
+        &self,
+        py: Python<'_>,
+        batch: &Bound<'_, Batch>,
+        counts: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let counts = token_counts(counts)?;
+        let mut batch = batch.try_borrow_mut()?;
+        let batch = &mut batch.inner;
+        py.detach(|| self.inner.rollback_batch(batch, &counts))
+            .map_err(to_py)
+    }
+
     /// The plan of any batch: each sequence's last `query_lens[i]` tokens are its queries.
     fn plan(
         &self,
@@ -309,10 +353,7 @@ impl BlockManager {
         num_computed: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let ids = self::seq_ids(seq_ids)?;
-        let upto: Option<Vec<usize>> = num_computed
-            .map(|n| integers::<u64>(n, "token counts"))
-            .transpose()?
-            .map(|n| n.into_iter().map(|v| v as usize).collect());
+        let upto = num_computed.map(token_counts).transpose()?;
         py.detach(|| self.inner.commit(&ids, upto.as_deref()))
             .map_err(to_py)
     }
@@ -434,4 +475,10 @@ impl BlockManager {
             self.inner.len()
         )
     }
+}
+
+/// Token counts, one per sequence.
+fn token_counts(counts: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let counts = integers::<u64>(counts, "token counts")?;
+    Ok(counts.into_iter().map(|n| n as usize).collect())
 }

@@ -76,7 +76,7 @@ impl BlockManager {
             table.extend(hits[..acquired].iter().map(|&(block, _)| block));
             if acquired < hits.len() {
                 // Another thread changed a matched block between lookup and acquire: undo, retry.
-                self.release_gpu_blocks(&table, table.len() * bs.get());
+                self.release_gpu_blocks(&table, 0, table.len() * bs.get());
                 self.gpu.unreserve(needed - used);
                 continue;
             }

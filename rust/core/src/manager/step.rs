@@ -47,7 +47,7 @@ impl BlockManager {
             places: vec![None; seqs.len()],
             plan,
         };
-        self.decode(&mut rows, tokens)
+        self.decode(&mut rows, tokens, None)
             .inspect_err(|_| rows.plan.begin(0, 0, 0, self.bs))
     }
 
@@ -58,7 +58,20 @@ impl BlockManager {
     /// and errors as [`BlockManager::step`] for the rows in order; on an error the manager
     /// and the table's entries are as they were (the table may have been widened).
     pub fn step_batch(&self, batch: &mut Batch, tokens: &[Token]) -> Result<(), Error> {
-        self.decode(batch, tokens)
+        self.decode(batch, tokens, None)
+    }
+
+    /// A speculative decoding step of a persistent batch: row `r` appends its next
+    /// `counts[r]` tokens of `tokens` (its last sampled token, then its drafts), all of them
+    /// planned as queries, so one forward pass verifies every row's drafts. Otherwise as
+    /// [`BlockManager::step_batch`]. Drop the rejected drafts with [`BlockManager::rollback`].
+    pub fn verify_batch(
+        &self,
+        batch: &mut Batch,
+        tokens: &[Token],
+        counts: &[u32],
+    ) -> Result<(), Error> {
+        self.decode(batch, tokens, Some(counts))
     }
 
     /// Writes the plan for any batch into `plan`: sequence `seqs[i]`'s last `query_lens[i]`
@@ -69,12 +82,22 @@ impl BlockManager {
             .inspect_err(|_| plan.begin(0, 0, 0, self.bs))
     }
 
-    /// The decode step shared by `step` and `step_batch`. A first pass checks every row and
-    /// counts the blocks the step takes; once they are reserved, a second pass commits each
-    /// row's previous step, appends its token and writes its inputs.
-    fn decode<R: DecodeRows>(&self, rows: &mut R, tokens: &[Token]) -> Result<(), Error> {
+    /// The decode step shared by `step`, `step_batch` and `verify_batch`: each row appends one
+    /// token, or `counts[r]`. A first pass checks every row and counts the blocks the step
+    /// takes; once they are reserved, a second pass commits each row's previous step, appends
+    /// its tokens and writes its inputs.
+    fn decode<R: DecodeRows>(
+        &self,
+        rows: &mut R,
+        tokens: &[Token],
+        counts: Option<&[u32]>,
+    ) -> Result<(), Error> {
         let n = rows.seqs().len();
-        one_each(R::CALL, n, tokens.len(), "tokens")?;
+        match counts {
+            None => one_each(R::CALL, n, tokens.len(), "tokens")?,
+            Some(counts) => check_counts(n, tokens.len(), counts)?,
+        }
+        let count = |row: usize| counts.map_or(1, |counts| counts[row] as usize);
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(rows.seqs());
         let (mut copying, mut needed, mut widest) = (false, 0, 0);
@@ -84,11 +107,11 @@ impl BlockManager {
             rows.remember(row, place);
             let s = batch.at(place);
             not_loading(id, s)?;
-            check_room(s.tokens.len(), 1)?;
+            check_room(s.tokens.len(), count(row))?;
             no_gap(id, s, s.tokens.len())?;
             copying |= !s.copying.is_empty();
-            needed += self.blocks_to_append(s, 1);
-            widest = widest.max(self.bs.pages(s.tokens.len() + 1));
+            needed += self.blocks_to_append(s, count(row));
+            widest = widest.max(self.bs.pages(s.tokens.len() + count(row)));
         }
         // Completing a copy releases its source, which may be another row's tail that then
         // needs no copy-on-write: the blocks are counted again after those commits.
@@ -100,24 +123,26 @@ impl BlockManager {
                 }
             }
             needed = (0..n)
-                .map(|row| self.blocks_to_append(batch.at(rows.place(row)), 1))
+                .map(|row| self.blocks_to_append(batch.at(rows.place(row)), count(row)))
                 .sum();
         }
         rows.fit(widest)?;
         self.reserve_gpu(needed)?;
-        rows.begin(self.bs);
-        let (mut taken, mut computed) = (Taken::default(), 0);
-        for (row, &token) in tokens.iter().enumerate() {
+        rows.begin(tokens.len(), self.bs);
+        let (mut taken, mut computed, mut next) = (Taken::default(), 0, 0);
+        for row in 0..n {
             let s = batch.at(rows.place(row));
             computed += self.auto_commit(s);
-            self.append_reserved(s, &[token], &mut taken);
-            rows.push(row, s, self.bs);
+            let appended = &tokens[next..next + count(row)];
+            next += appended.len();
+            self.append_reserved(s, appended, &mut taken);
+            rows.push(row, s, appended.len(), self.bs);
             hand_over_copies(s, rows.plan());
         }
         self.count_computed(computed);
         self.finish_taking(needed, taken);
-        self.gpu.add_stored(n);
-        Counters::add(&self.counters.pending_tokens, n as u64);
+        self.gpu.add_stored(tokens.len());
+        Counters::add(&self.counters.pending_tokens, tokens.len() as u64);
         Ok(())
     }
 
@@ -216,6 +241,23 @@ impl BlockManager {
     }
 }
 
+/// Fails unless a verify step got one count per row, each at least 1, adding up to its tokens.
+fn check_counts(rows: usize, tokens: usize, counts: &[u32]) -> Result<(), Error> {
+    one_each("verify_batch", rows, counts.len(), "counts")?;
+    if let Some(row) = counts.iter().position(|&c| c == 0) {
+        return Err(invalid(format!(
+            "verify_batch: row {row} appends 0 tokens; every row appends at least its last token"
+        )));
+    }
+    let sum: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+    if sum != tokens as u64 {
+        return Err(invalid(format!(
+            "verify_batch got {tokens} tokens but its counts add up to {sum}"
+        )));
+    }
+    Ok(())
+}
+
 /// Moves the sequence's recorded copies into the plan that computes its KV up to its end, and
 /// marks its tokens planned.
 #[inline(always)]
@@ -247,10 +289,11 @@ trait DecodeRows {
     }
     /// Makes room for rows of up to `pages` blocks, before anything changes.
     fn fit(&mut self, pages: usize) -> Result<(), Error>;
-    /// Starts the inputs of a step over every row.
-    fn begin(&mut self, bs: BlockSize);
-    /// Adds row `row`'s inputs after its append (rows come in order).
-    fn push(&mut self, row: usize, s: &Sequence, bs: BlockSize);
+    /// Starts the inputs of a step of `queries` query tokens over every row.
+    fn begin(&mut self, queries: usize, bs: BlockSize);
+    /// Adds row `row`'s inputs after its append of `q` tokens, its queries (rows come in
+    /// order).
+    fn push(&mut self, row: usize, s: &Sequence, q: usize, bs: BlockSize);
     /// The plan that receives the rows' copies.
     fn plan(&mut self) -> &mut Plan;
 }
@@ -276,12 +319,12 @@ impl DecodeRows for Listed<'_> {
     fn fit(&mut self, _pages: usize) -> Result<(), Error> {
         Ok(())
     }
-    fn begin(&mut self, bs: BlockSize) {
+    fn begin(&mut self, queries: usize, bs: BlockSize) {
         let n = self.seqs.len();
-        self.plan.begin(n, n, n, bs);
+        self.plan.begin(n, n, queries, bs);
     }
-    fn push(&mut self, _row: usize, s: &Sequence, bs: BlockSize) {
-        self.plan.push(&s.table, s.tokens.len(), 1, bs);
+    fn push(&mut self, _row: usize, s: &Sequence, q: usize, bs: BlockSize) {
+        self.plan.push(&s.table, s.tokens.len(), q, bs);
     }
     fn plan(&mut self) -> &mut Plan {
         self.plan
@@ -304,12 +347,12 @@ impl DecodeRows for Batch {
     fn fit(&mut self, pages: usize) -> Result<(), Error> {
         Batch::fit(self, pages)
     }
-    fn begin(&mut self, bs: BlockSize) {
-        Batch::begin(self, bs);
+    fn begin(&mut self, queries: usize, bs: BlockSize) {
+        Batch::begin(self, queries, bs);
     }
     #[inline(always)]
-    fn push(&mut self, row: usize, s: &Sequence, bs: BlockSize) {
-        Batch::push(self, row, &s.table, s.version, s.tokens.len(), bs);
+    fn push(&mut self, row: usize, s: &Sequence, q: usize, bs: BlockSize) {
+        Batch::push(self, row, &s.table, s.version, s.tokens.len(), q, bs);
     }
     fn plan(&mut self) -> &mut Plan {
         &mut self.inputs

@@ -177,7 +177,7 @@ impl BlockManager {
                 self.release_cpu_blocks(&source);
                 self.commit_to(s, s.computed);
             } else {
-                self.release_gpu_blocks(&source, s.tokens.len());
+                self.release_gpu_blocks(&source, 0, s.tokens.len());
                 self.announce_cpu(s);
             }
         }
