@@ -358,6 +358,3 @@ impl DecodeRows for Batch {
         &mut self.inputs
     }
 }
-
-#[cfg(all(test, not(loom)))]
-mod tests;

@@ -1,6 +1,30 @@
-use super::*;
-use crate::manager::testing::*;
-use crate::{Config, Plan, SeqId, Token};
+//! Decode steps through the public API: one-shot plans and persistent batches, against each
+//! other and across the other operations.
+
+use pagedkv::{Batch, BlockManager, Config, Error, EventKind, Plan, SeqId, Token};
+
+fn manager(num_blocks: u32, block_size: u32, edit: impl FnOnce(&mut Config)) -> BlockManager {
+    let mut config = Config::new(num_blocks, block_size);
+    config.watermark = 0.0;
+    edit(&mut config);
+    BlockManager::new(config).unwrap()
+}
+
+/// Plans every uncomputed token of each sequence (a prefill), returning the plan.
+fn prefill(mgr: &BlockManager, seqs: &[SeqId]) -> Plan {
+    let lens: Vec<u32> = seqs
+        .iter()
+        .map(|&s| (mgr.num_tokens(s).unwrap() - mgr.num_computed(s).unwrap()) as u32)
+        .collect();
+    let mut plan = Plan::new();
+    mgr.plan(seqs, &lens, &mut plan).unwrap();
+    mgr.check().unwrap();
+    plan
+}
+
+fn is_invalid<T: std::fmt::Debug>(result: Result<T, Error>) -> bool {
+    matches!(result, Err(Error::InvalidArgument(_)))
+}
 
 #[test]
 fn a_failed_plan_leaves_it_empty() {
@@ -138,7 +162,7 @@ fn blocks_hashed_together_publish_their_hashes() {
     }
     let published: std::collections::HashMap<_, _> = (mgr.take_events().into_iter())
         .filter_map(|event| match event.kind {
-            crate::EventKind::BlockStored {
+            EventKind::BlockStored {
                 block_id,
                 block_hash,
                 ..
