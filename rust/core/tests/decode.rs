@@ -1,5 +1,5 @@
-//! Decode steps through the public API: one-shot plans and persistent batches, against each
-//! other and across the other operations.
+//! Decode steps through the public API: one-shot plans, persistent batches, verify steps and
+//! rollbacks, against each other and across the other operations.
 
 use pagedkv::{Batch, BlockManager, Config, Error, EventKind, Plan, SeqId, Token};
 
@@ -231,4 +231,89 @@ fn queries_may_not_skip_unplanned_tokens() {
     mgr.plan(&[1], &[13], &mut plan).unwrap();
     assert_eq!(mgr.num_computed(1).unwrap(), 13);
     mgr.check().unwrap();
+}
+
+/// A rollback leaves the sequence, its blocks and the pool as if only the kept tokens had
+/// been appended.
+#[test]
+fn a_rollback_undoes_the_rejected_appends() {
+    let [rolled, plain] = [(); 2].map(|_| manager(16, 4, |_| {}));
+    let prompt: Vec<Token> = (1..=6).collect();
+    for mgr in [&rolled, &plain] {
+        mgr.allocate(1, &prompt, None).unwrap();
+        prefill(mgr, &[1]);
+    }
+    rolled.append(1, &[7, 8, 9, 10, 11]).unwrap();
+    let mut plan = Plan::new();
+    rolled.plan(&[1], &[5], &mut plan).unwrap();
+    rolled.rollback(&[1], &[3]).unwrap();
+    plain.append(1, &[7, 8]).unwrap();
+    plain.plan(&[1], &[2], &mut plan).unwrap();
+    for mgr in [&rolled, &plain] {
+        assert_eq!(mgr.tokens(1).unwrap(), (1..=8).collect::<Vec<_>>());
+        assert_eq!(mgr.block_table(1).unwrap(), vec![0, 1]);
+        mgr.check().unwrap();
+    }
+    assert_eq!(rolled.stats(), plain.stats());
+    // The block a rollback freed is the next one taken.
+    rolled.append(1, &[9]).unwrap();
+    assert_eq!(rolled.block_table(1).unwrap(), vec![0, 1, 2]);
+}
+
+#[test]
+fn committed_tokens_cannot_be_rolled_back() {
+    let mgr = manager(16, 4, |c| c.auto_commit = false);
+    mgr.allocate(1, &[1, 2, 3, 4, 5], None).unwrap();
+    prefill(&mgr, &[1]);
+    mgr.commit(&[1], Some(&[4])).unwrap();
+    assert!(is_invalid(mgr.rollback(&[1], &[2])));
+    assert!(is_invalid(mgr.rollback(&[1, 1], &[1, 1])));
+    assert!(is_invalid(mgr.rollback(&[1], &[1, 1])));
+    assert_eq!(mgr.rollback(&[2], &[1]), Err(Error::UnknownSequence(2)));
+    assert_eq!(mgr.num_tokens(1).unwrap(), 5);
+    mgr.rollback(&[1], &[1]).unwrap();
+    assert_eq!(mgr.num_tokens(1).unwrap(), 4);
+    mgr.check().unwrap();
+    // A sequence keeps at least one token.
+    mgr.allocate(3, &[1], None).unwrap();
+    assert!(is_invalid(mgr.rollback(&[3], &[1])));
+}
+
+/// A batch's rows follow a `rollback_batch` at once, and a plain `rollback` at the next
+/// step: either way the table is what a fresh batch would hold.
+#[test]
+fn batch_rows_follow_a_rollback() {
+    for in_batch in [true, false] {
+        let mgr = manager(32, 4, |_| {});
+        for seq in 1..=2 {
+            mgr.allocate(seq, &[1, 2, 3, 4], None).unwrap();
+        }
+        prefill(&mgr, &[1, 2]);
+        let mut batch = Batch::new();
+        batch.add(1).unwrap();
+        batch.add(2).unwrap();
+        mgr.verify_batch(&mut batch, &[5, 6, 7, 8, 9, 9, 9], &[5, 2])
+            .unwrap();
+        assert_eq!(batch.inputs().qo_indptr, vec![0, 5, 7]);
+        if in_batch {
+            mgr.rollback_batch(&mut batch, &[4, 0]).unwrap();
+        } else {
+            mgr.rollback(&[1, 2], &[4, 0]).unwrap();
+        }
+        // Sequence 2 takes the block sequence 1 dropped.
+        mgr.step_batch(&mut batch, &[7, 7]).unwrap();
+        let mut fresh = Batch::new();
+        fresh.add(1).unwrap();
+        fresh.add(2).unwrap();
+        mgr.rollback(&[1, 2], &[1, 1]).unwrap();
+        mgr.step_batch(&mut fresh, &[7, 7]).unwrap();
+        mgr.rollback(&[1, 2], &[1, 1]).unwrap();
+        mgr.step_batch(&mut batch, &[7, 7]).unwrap();
+        assert_eq!(
+            batch.block_table(),
+            fresh.block_table(),
+            "in batch {in_batch}"
+        );
+        mgr.check().unwrap();
+    }
 }
