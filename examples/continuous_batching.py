@@ -12,17 +12,33 @@ to a shared partial block triggers copy-on-write. When the GPU pool runs out, th
 sequences are swapped to a CPU cache and swapped back in later. With a `store`
 (`pagedkv.tier`), computed blocks are saved to it and prompts load the blocks it holds.
 
+With `speculate=k` (greedy speculative decoding) a decoding sequence appends its last sampled
+token and up to k draft tokens, and the target model verifies them all in one forward pass: the
+longest prefix of drafts equal to the target's greedy choices is accepted, plus the target's
+next token, and `BlockManager.rollback` drops the rejected drafts (uncommitted, so never shared).
+`NgramDrafter` proposes by prompt lookup (what followed the sequence's last n-gram earlier in
+its own tokens; no model). `ModelDrafter` runs a small draft model on its own `BlockManager` and
+`KVCache`: a second manager rather than a second group in one, because its blocks have another
+size in bytes and its tokens run ahead of the target's. It prefills each prompt once the target
+has, forks with the request's samples (their first drafts copy the shared partial block), keeps
+its proposals uncommitted (`auto_commit=False`) until the target has verified them, rolls back
+the rejected ones and commits the rest. A swapped-out sequence frees its draft KV, which its
+next proposal recomputes (mostly from the draft's prefix cache).
+
 Run it: ``python examples/continuous_batching.py`` (a small random Llama, no download;
 ``--model deepseek`` a small random DeepSeek-V3 on an MLA cache, ``--kv-dtype fp8`` a float8
-cache); ``--redis redis://127.0.0.1:6379/0`` shares prefixes through a Redis server.
+cache); ``--redis redis://127.0.0.1:6379/0`` shares prefixes through a Redis server;
+``--speculate 3 --drafter ngram`` (or ``model``: the target's first layer) decodes
+speculatively and prints the acceptance rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -57,6 +73,14 @@ class GenerationResult:
     mixed_steps: int = 0
     max_batch_size: int = 0
     tier: TierStats | None = None  # what the external KV tier did, when one was used
+    proposed_drafts: int = 0  # speculative decoding: draft tokens the target verified
+    accepted_drafts: int = 0
+    draft_copied_blocks: int = 0  # copy-on-write in the draft model's cache
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed drafts (0.0 when none were proposed)."""
+        return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else 0.0
 
 
 @dataclass(eq=False)  # identity: two samples may hold equal state
@@ -73,6 +97,10 @@ class _Sequence:
     @property
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -202,6 +230,227 @@ def _cache_shape(model: torch.nn.Module) -> _CacheShape:
     return _CacheShape(kv_heads, head_dim, sm_scale=head_dim**-0.5)
 
 
+def _paged_runner(
+    model: LlamaForCausalLM | DeepseekV3ForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    backend: BackendName,
+    device: torch.device,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: Sequence[tuple[float, float]] | None = None,
+) -> PagedLlama | PagedDeepseek:
+    """`model` on a paged cache of `num_blocks` blocks on `device` (`runner.cache`)."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    shape = _cache_shape(model)
+    heads, dim = shape.num_kv_heads, shape.head_dim
+    cache = KVCache(
+        cfg.num_hidden_layers,
+        num_blocks,
+        block_size,
+        heads,
+        dim,
+        kv_dtype,
+        device,
+        layout=shape.layout,
+        rope_dim=shape.rope_dim,
+        scales=kv_scales,
+    )
+    attn = PagedAttention(
+        cfg.num_attention_heads,
+        heads,
+        dim,
+        block_size,
+        backend,
+        device=device,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        layout=shape.layout,
+        rope_dim=shape.rope_dim,
+        sm_scale=shape.sm_scale,
+    )
+    if shape.layout == "MLA":
+        return PagedDeepseek(model, cache, attn)  # type: ignore[arg-type]
+    return PagedLlama(model, cache, attn)  # type: ignore[arg-type]
+
+
+def _forward(
+    runner: PagedLlama | PagedDeepseek,
+    plan: Plan,
+    tokens: list[int],
+    rows: list[int],
+    device: torch.device,
+) -> list[int]:
+    """The greedy next token at each packed row in `rows` of a step over `tokens`."""
+    runner.cache.copy_blocks(plan.copies)  # this plan's copy-on-write pairs, before new K/V
+    input_ids = torch.tensor(tokens, device=device)
+    last_rows = torch.tensor(rows, device=device, dtype=torch.int64)
+    greedy: list[int] = runner.forward(input_ids, plan, last_rows).argmax(dim=-1).tolist()
+    return greedy
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for speculative decoding and follows the sequences' lifecycle."""
+
+    copied_blocks: int  # copy-on-write in its own cache, if it has one
+
+    def propose(self, seqs: list[_Sequence], counts: list[int]) -> list[list[int]]:
+        """At most `counts[i]` tokens that may follow all of `seqs[i].tokens`."""
+        ...
+
+    def verified(self, seqs: list[_Sequence], drafts: list[list[int]], accepted: list[int]) -> None:
+        """The target accepted the first `accepted[i]` of `drafts[i]`."""
+        ...
+
+    def prefilled(self, seqs: list[_Sequence]) -> None:
+        """`seqs` just finished their prompts' prefill (before their first token is emitted)."""
+        ...
+
+    def fork(self, parent: _Sequence, child: _Sequence) -> None: ...
+
+    def drop(self, seq: _Sequence) -> None:
+        """`seq` finished or left the GPU: forget its state."""
+        ...
+
+    def check(self) -> None:
+        """Audits its state after a run (every sequence dropped)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: proposes what followed the latest earlier occurrence of the sequence's last
+    n tokens (the longest n up to `max_ngram` that occurs), from its own tokens; no model."""
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        self.max_ngram = max_ngram
+        self.copied_blocks = 0
+
+    def propose(self, seqs: list[_Sequence], counts: list[int]) -> list[list[int]]:
+        return [self._lookup(seq.tokens, k) for seq, k in zip(seqs, counts, strict=True)]
+
+    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+                if tokens[start : start + n] == tail:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    def verified(self, seqs: list[_Sequence], drafts: list[list[int]], accepted: list[int]) -> None:
+        pass
+
+    def prefilled(self, seqs: list[_Sequence]) -> None:
+        pass
+
+    def fork(self, parent: _Sequence, child: _Sequence) -> None:
+        pass
+
+    def drop(self, seq: _Sequence) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A draft model on its own `BlockManager` and `KVCache` (see the module's docstring).
+
+    A sequence's draft KV covers its tokens up to `mgr.num_tokens(seq_id)`, committed between
+    steps; a proposal first appends the tokens the target produced since (its last sampled
+    token, and an accepted last draft), then one draft token per further forward pass.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM | DeepseekV3ForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        backend: BackendName,
+        device: torch.device,
+    ) -> None:
+        self.mgr = BlockManager(num_blocks, block_size, auto_commit=False)
+        self.runner = _paged_runner(model, num_blocks, block_size, backend, device)
+        self.device = device
+        self.copied_blocks = 0
+
+    def _extend(self, seqs: list[_Sequence], news: list[list[int]]) -> list[int | None]:
+        """Appends `news[i]` to `seqs[i]`'s draft (allocating it when absent) and runs the draft
+        model over them: the greedy next token of each, None where the pool had no room."""
+        ran: list[_Sequence] = []
+        q_lens: list[int] = []
+        tokens: list[int] = []
+        for seq, new in zip(seqs, news, strict=True):
+            try:
+                if seq.seq_id in self.mgr:
+                    self.mgr.append(seq.seq_id, new)
+                    q = len(new)
+                else:
+                    known = seq.tokens[: len(seq.tokens) - len(new)] + new
+                    q = len(known) - self.mgr.allocate(seq.seq_id, known)
+            except OutOfBlocks:
+                self.drop(seq)  # no drafts for it this step
+                continue
+            ran.append(seq)
+            q_lens.append(q)
+            tokens += self.mgr.token_ids(seq.seq_id)[-q:].tolist()
+        if not ran:
+            return [None] * len(seqs)
+        plan = self.mgr.plan([s.seq_id for s in ran], q_lens)
+        self.copied_blocks += len(plan.copies)
+        rows = (plan.qo_indptr[1:] - 1).tolist()
+        greedy = dict(zip(ran, _forward(self.runner, plan, tokens, rows, self.device), strict=True))
+        return [greedy.get(seq) for seq in seqs]
+
+    def prefilled(self, seqs: list[_Sequence]) -> None:
+        self._extend(seqs, [[] for _ in seqs])
+        self.mgr.commit([s.seq_id for s in seqs if s.seq_id in self.mgr])
+
+    def propose(self, seqs: list[_Sequence], counts: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        live = [i for i, k in enumerate(counts) if k > 0]
+        # Catch up on what the target produced since the last proposal, then draft.
+        news = [seqs[i].tokens[self._known(seqs[i]) :] for i in live]
+        while live:
+            greedy = self._extend([seqs[i] for i in live], news)
+            for i, token in zip(live, greedy, strict=True):
+                if token is not None:
+                    drafts[i].append(token)
+            live = [
+                i
+                for i, t in zip(live, greedy, strict=True)
+                if t is not None and len(drafts[i]) < counts[i]
+            ]
+            news = [[drafts[i][-1]] for i in live]
+        return drafts
+
+    def _known(self, seq: _Sequence) -> int:
+        return self.mgr.num_tokens(seq.seq_id) if seq.seq_id in self.mgr else len(seq.tokens)
+
+    def verified(self, seqs: list[_Sequence], drafts: list[list[int]], accepted: list[int]) -> None:
+        # The draft KV holds every draft but the last; keep the accepted ones.
+        ids, dropped = [], []
+        for seq, draft, a in zip(seqs, drafts, accepted, strict=True):
+            if draft and seq.seq_id in self.mgr:
+                ids.append(seq.seq_id)
+                dropped.append(len(draft) - 1 - min(a, len(draft) - 1))
+        self.mgr.rollback(ids, dropped)
+        self.mgr.commit(ids)
+
+    def fork(self, parent: _Sequence, child: _Sequence) -> None:
+        if parent.seq_id in self.mgr:
+            self.mgr.fork(parent.seq_id, child.seq_id)
+
+    def drop(self, seq: _Sequence) -> None:
+        if seq.seq_id in self.mgr:
+            self.mgr.free(seq.seq_id)
+
+    def check(self) -> None:
+        assert len(self.mgr) == 0, "every draft sequence is freed"
+        self.mgr.check()
+
+
 class _Engine:
     """The scheduler state of one `generate` call."""
 
@@ -221,11 +470,9 @@ class _Engine:
         hash_key: bytes | None = None,
         kv_dtype: torch.dtype | None = None,
         kv_scales: Sequence[tuple[float, float]] | None = None,
+        speculate: int = 0,
+        drafter: Drafter | None = None,
     ) -> None:
-        cfg = model.config
-        dtype = next(model.parameters()).dtype
-        kv_dtype = dtype if kv_dtype is None else kv_dtype
-        shape = _cache_shape(model)
         self.mgr = BlockManager(
             num_blocks,
             block_size,
@@ -233,36 +480,25 @@ class _Engine:
             hash_key=hash_key,
             enable_events=store is not None,
         )
-        layers = cfg.num_hidden_layers
-        cache = {"layout": shape.layout, "rope_dim": shape.rope_dim, "scales": kv_scales}
-        heads, dim = shape.num_kv_heads, shape.head_dim
-        self.gpu = KVCache(layers, num_blocks, block_size, heads, dim, kv_dtype, device, **cache)
+        self.llama = _paged_runner(
+            model, num_blocks, block_size, backend, device, kv_dtype, kv_scales
+        )
+        self.gpu = self.llama.cache
         self.cpu = KVCache(
-            layers,
+            self.gpu.num_layers,
             max(num_cpu_blocks, 1),
             block_size,
-            heads,
-            dim,
-            kv_dtype,
+            self.gpu.num_kv_heads,
+            self.gpu.head_dim,
+            self.gpu.dtype,
             "cpu",
-            **cache,
+            layout=self.gpu.layout,
+            rope_dim=self.gpu.rope_dim,
+            scales=kv_scales,
             pin_memory=device.type == "cuda",
         )
-        attn = PagedAttention(
-            cfg.num_attention_heads,
-            heads,
-            dim,
-            block_size,
-            backend,
-            device=device,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            layout=shape.layout,
-            rope_dim=shape.rope_dim,
-            sm_scale=shape.sm_scale,
-        )
-        runner = PagedDeepseek if shape.layout == "MLA" else PagedLlama
-        self.llama = runner(model, self.gpu, attn)  # type: ignore[arg-type]
+        self.speculate = speculate
+        self.drafter = drafter if speculate else None
         self.tier = KVTier(store, model_id, self.mgr, self.gpu) if store is not None else None
         self.device = device
         self.block_size = block_size
@@ -330,11 +566,14 @@ class _Engine:
         self.gpu.swap_out(self.cpu, pairs)
         self.mgr.confirm_swap_out([seq.seq_id])  # the GPU blocks may be reused from here on
         self.result.swapped_out_blocks += len(pairs)
+        if self.drafter is not None:
+            self.drafter.drop(seq)
         self.running.remove(seq)
         self.swapped.insert(0, seq)
 
-    def _grow(self, seq: _Sequence, batch: list[_Sequence]) -> int:
-        """Append `seq`'s next prompt chunk or sampled token; returns its query length.
+    def _grow(self, seq: _Sequence, batch: list[_Sequence], draft: list[int]) -> int:
+        """Append `seq`'s next prompt chunk or sampled token (and `draft`); returns its query
+        length.
 
         When the pool is full, the youngest sequences not yet in this step's batch are swapped
         out to make room; failing those, `seq` itself is (and 0 is returned), unless it is the
@@ -345,7 +584,7 @@ class _Engine:
             new = seq.prompt[seq.computed : end]
         else:
             assert seq.next_token is not None
-            new = [seq.next_token]
+            new = [seq.next_token, *draft]
         while True:
             try:
                 self.mgr.append(seq.seq_id, new)
@@ -360,15 +599,25 @@ class _Engine:
                 else:
                     raise
 
+    def _propose(self) -> dict[_Sequence, list[int]]:
+        """Draft tokens for each decoding sequence, never more than it has left to generate."""
+        if self.drafter is None:
+            return {}
+        seqs = [s for s in self.running if not s.prefilling]
+        counts = [min(self.speculate, s.max_new_tokens - len(s.generated) - 1) for s in seqs]
+        return dict(zip(seqs, self.drafter.propose(seqs, counts), strict=True))
+
     def step(self, step: int) -> None:
-        """One engine step: swap in, grow the running sequences, admit, compute, sample."""
+        """One engine step: swap in, draft, grow the running sequences, admit, compute (and
+        verify the drafts), sample."""
         self._swap_in()
+        drafts = self._propose()
         batch: list[_Sequence] = []
         q_lens: list[int] = []
         for seq in list(self.running):
             if seq not in self.running:  # swapped out to make room for an older sequence
                 continue
-            q = self._grow(seq, batch)
+            q = self._grow(seq, batch, drafts.get(seq, []))
             if q:
                 q_lens.append(q)
                 batch.append(seq)
@@ -391,14 +640,12 @@ class _Engine:
         # the copy-on-write pairs this batch must apply before its own forward pass.
         plan = self.mgr.plan(ids, q_lens)
         self.result.copied_blocks += len(plan.copies)
-        self.gpu.copy_blocks(plan.copies)
         tokens: list[int] = []
-        for seq, q in zip(batch, q_lens, strict=True):
-            all_tokens = seq.prompt + seq.generated
-            tokens += all_tokens[seq.computed : seq.computed + q]
-        input_ids = torch.tensor(tokens, device=self.device)
-        last_rows = torch.tensor(plan.qo_indptr[1:] - 1, device=self.device, dtype=torch.int64)
-        next_tokens = self.llama.forward(input_ids, plan, last_rows).argmax(dim=-1).tolist()
+        rows: list[int] = []  # a prefill's last row; every row of a decode and its drafts
+        for seq, q, end in zip(batch, q_lens, plan.qo_indptr[1:].tolist(), strict=True):
+            tokens += self.mgr.token_ids(seq.seq_id)[-q:].tolist()
+            rows += range(end - q, end) if not seq.prefilling else [end - 1]
+        greedy = iter(_forward(self.llama, plan, tokens, rows, self.device))
         if self.tier is not None:  # save the blocks this step's commit made computed
             self.tier.offer(self.mgr.take_events())
 
@@ -406,16 +653,54 @@ class _Engine:
         self.result.max_batch_size = max(self.result.max_batch_size, len(batch))
         if any(s.prefilling for s in batch) and any(not s.prefilling for s in batch):
             self.result.mixed_steps += 1
-        for seq, q, token in zip(batch, q_lens, next_tokens, strict=True):
-            seq.computed += q
-            if not seq.prefilling:
-                self._emit(seq, int(token))
+        prefilled: list[_Sequence] = []
+        emits: list[tuple[_Sequence, list[int]]] = []
+        checked: list[tuple[_Sequence, list[int], int]] = []  # (sequence, drafts, accepted)
+        for seq, q in zip(batch, q_lens, strict=True):
+            if seq.prefilling:
+                seq.computed += q
+                token = next(greedy)
+                if not seq.prefilling:
+                    prefilled.append(seq)
+                    emits.append((seq, [token]))
+                continue
+            # Verify: the target's greedy tokens after the last sampled one and each draft.
+            target = [next(greedy) for _ in range(q)]
+            draft = drafts.get(seq, [])
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == target[accepted]:
+                accepted += 1
+            seq.computed += 1 + accepted
+            emits.append((seq, target[: accepted + 1]))  # the accepted drafts and one more
+            if draft:
+                checked.append((seq, draft, accepted))
+        self._settle(checked, prefilled)
+        for seq, new in emits:
+            self._emit(seq, new)
 
-    def _emit(self, seq: _Sequence, token: int) -> None:
+    def _settle(
+        self, checked: list[tuple[_Sequence, list[int], int]], prefilled: list[_Sequence]
+    ) -> None:
+        """Rolls back the rejected drafts (target and drafter) and counts acceptance."""
+        if self.drafter is None:
+            return
+        rejected = [(s.seq_id, len(d) - a) for s, d, a in checked if len(d) > a]
+        if rejected:
+            self.mgr.rollback([i for i, _ in rejected], [n for _, n in rejected])
+        for _, draft, accepted in checked:
+            self.result.proposed_drafts += len(draft)
+            self.result.accepted_drafts += accepted
+        self.drafter.verified(
+            [c[0] for c in checked], [c[1] for c in checked], [c[2] for c in checked]
+        )
+        if prefilled:
+            self.drafter.prefilled(prefilled)
+
+    def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
         req = self.requests[seq.request]
         first = not seq.generated
-        seq.generated.append(token)
-        seq.next_token = token
+        seq.generated += tokens
+        seq.next_token = tokens[-1]
         if first and seq.sample == 0:
             # Parallel samples share the prompt's blocks, the partial last one included.
             for sample in range(1, req.num_samples):
@@ -426,10 +711,12 @@ class _Engine:
                     seq.prompt,
                     seq.max_new_tokens,
                     seq.computed,
-                    token,
-                    [token],
+                    seq.next_token,
+                    list(seq.generated),
                 )
                 self.mgr.fork(seq.seq_id, child.seq_id)
+                if self.drafter is not None:
+                    self.drafter.fork(seq, child)
                 self.running.append(child)
                 self._finish_if_done(child)
         self._finish_if_done(seq)
@@ -438,6 +725,8 @@ class _Engine:
         if len(seq.generated) >= seq.max_new_tokens:
             self.result.tokens[seq.request][seq.sample] = list(seq.generated)
             self.mgr.free(seq.seq_id)
+            if self.drafter is not None:
+                self.drafter.drop(seq)
             self.running.remove(seq)
 
     def run(self) -> GenerationResult:
@@ -450,6 +739,9 @@ class _Engine:
             self.tier.close()
             self.result.tier = self.tier.stats()
         self.mgr.check()
+        if self.drafter is not None:
+            self.drafter.check()
+            self.result.draft_copied_blocks = self.drafter.copied_blocks
         return self.result
 
 
@@ -469,6 +761,8 @@ def generate(
     hash_key: bytes | None = None,
     kv_dtype: torch.dtype | None = None,
     kv_scales: Sequence[tuple[float, float]] | None = None,
+    speculate: int = 0,
+    draft_model: LlamaForCausalLM | DeepseekV3ForCausalLM | None = None,
 ) -> GenerationResult:
     """Greedy continuous-batching generation of `requests` with `model`'s weights.
 
@@ -479,6 +773,10 @@ def generate(
     then looked up within its first chunk). `device` defaults to the model's. With a `store`,
     computed blocks are saved there under `model_id` and admissions load what it holds; engines
     share blocks only when they also share the manager's `hash_key` (32 bytes; None is random).
+
+    `speculate=k` verifies up to k draft tokens per sequence and step, proposed by `draft_model`
+    (on a draft cache of `num_blocks` blocks) or, without one, by prompt lookup; the tokens are
+    the same as without speculation.
     """
     for req in requests:
         if not req.prompt or req.max_new_tokens < 1 or req.num_samples < 1:
@@ -486,6 +784,13 @@ def generate(
                 f"a request needs a prompt, max_new_tokens >= 1 and num_samples >= 1: {req}"
             )
     dev = torch.device(device) if device is not None else next(model.parameters()).device
+    drafter: Drafter = (
+        NgramDrafter()
+        if draft_model is None
+        else ModelDrafter(
+            draft_model, num_blocks=num_blocks, block_size=block_size, backend=backend, device=dev
+        )
+    )
     engine = _Engine(
         model,
         requests,
@@ -500,6 +805,8 @@ def generate(
         hash_key=hash_key,
         kv_dtype=kv_dtype,
         kv_scales=kv_scales,
+        speculate=speculate,
+        drafter=drafter,
     )
     return engine.run()
 
@@ -550,6 +857,15 @@ def tiny_deepseek(seed: int = 0, vocab_size: int = 128) -> DeepseekV3ForCausalLM
     return _seeded(DeepseekV3ForCausalLM, config, seed)
 
 
+def first_layers(model: Any, num_layers: int) -> Any:
+    """A copy of `model` that keeps only its first `num_layers` decoder layers (a draft that
+    shares the target's embeddings, first layers and head)."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:num_layers]
+    draft.config.num_hidden_layers = num_layers
+    return draft
+
+
 def _seeded(model_class: Any, config: Any, seed: int) -> Any:
     """`model_class(config)` with its random weights drawn from `seed`, in eval mode."""
     torch.manual_seed(seed)
@@ -566,6 +882,15 @@ def _main() -> None:
     parser.add_argument("--kv-dtype", default="model", choices=["model", "fp8"])
     parser.add_argument("--redis", metavar="URL", help="share computed blocks through Redis")
     parser.add_argument(
+        "--speculate", metavar="K", type=int, default=0, help="verify up to K drafts a step"
+    )
+    parser.add_argument(
+        "--drafter",
+        default="ngram",
+        choices=["ngram", "model"],
+        help="prompt lookup, or a draft model: the target's first layer",
+    )
+    parser.add_argument(
         "--hash-key",
         metavar="HEX",
         default="00" * 32,
@@ -579,6 +904,7 @@ def _main() -> None:
         store = RedisStore(args.redis)
     model = (tiny_deepseek() if args.model == "deepseek" else tiny_llama()).to(args.device)
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
+    draft = first_layers(model, 1) if args.speculate and args.drafter == "model" else None
     shared = list(range(1, 40))
     requests = [
         Request([*shared, 50, 51], 12),
@@ -594,6 +920,8 @@ def _main() -> None:
         store=store,
         hash_key=bytes.fromhex(args.hash_key),
         kv_dtype=kv_dtype,
+        speculate=args.speculate,
+        draft_model=draft,
     )
     for i, samples in enumerate(result.tokens):
         print(f"request {i}: {samples}")
@@ -602,6 +930,12 @@ def _main() -> None:
         f"copied_blocks={result.copied_blocks} swapped_out_blocks={result.swapped_out_blocks} "
         f"mixed_steps={result.mixed_steps} max_batch={result.max_batch_size}"
     )
+    if args.speculate:
+        print(
+            f"speculate={args.speculate} drafter={args.drafter} "
+            f"accepted={result.accepted_drafts}/{result.proposed_drafts} drafts "
+            f"(acceptance rate {result.acceptance_rate:.2f})"
+        )
     if result.tier is not None:
         print(f"tier: {result.tier}")
 
