@@ -25,13 +25,20 @@ def admitted(mgr: BlockManager, seq_id: int, prompt: list[int]) -> int:
     return seq_id
 
 
-def test_step_batch_by_hand() -> None:
+def two_rows() -> tuple[BlockManager, Batch]:
+    """A manager with sequence 1 (5 tokens, blocks 0 and 1) and 2 (3 tokens, block 2)
+    prefilled, and a batch of them in that order."""
     mgr = BlockManager(16, 4, hash_key=KEY)
-    admitted(mgr, 1, [1, 2, 3, 4, 5])  # blocks 0, 1
-    admitted(mgr, 2, [9, 9, 9])  # block 2
+    admitted(mgr, 1, [1, 2, 3, 4, 5])
+    admitted(mgr, 2, [9, 9, 9])
     batch = Batch()
     batch.add(1)
     batch.add(2)
+    return mgr, batch
+
+
+def test_step_batch_by_hand() -> None:
+    mgr, batch = two_rows()
     assert len(batch) == 2 and 2 in batch and 3 not in batch and batch.row(2) == 1
     assert batch.block_size == 0
     mgr.step_batch(batch, [6, 7])
@@ -130,12 +137,7 @@ def test_every_sharer_of_a_partial_block_copies_it() -> None:
 
 
 def test_a_verify_step_plans_every_draft_and_a_rollback_drops_the_rejected() -> None:
-    mgr = BlockManager(16, 4, hash_key=KEY)
-    admitted(mgr, 1, [1, 2, 3, 4, 5])  # blocks 0, 1
-    admitted(mgr, 2, [9, 9, 9])  # block 2
-    batch = Batch()
-    batch.add(1)
-    batch.add(2)
+    mgr, batch = two_rows()
     mgr.verify_batch(batch, [6, 60, 61, 62, 7], [4, 1])  # row 1: last token + 3 drafts
     assert batch.qo_indptr.tolist() == [0, 4, 5]
     assert batch.positions.tolist() == [5, 6, 7, 8, 3]

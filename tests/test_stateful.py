@@ -108,6 +108,12 @@ def snapshot(mgr: BlockManager) -> Any:
     return len(mgr), seqs, [getattr(stats, name) for name in STATS_FIELDS]
 
 
+def step_inputs(source: Any) -> dict[str, Any]:
+    """A step's attention inputs, from a plan or a batch."""
+    fields = (*(f for f in PLAN_ARRAYS if f != "block_tables"), "block_size")
+    return {name: plain(getattr(source, name)) for name in fields}
+
+
 class BindingMachine(RuleBasedStateMachine):
     """Every rule runs on both managers; the invariant compares them and the kept views."""
 
@@ -195,6 +201,22 @@ class BindingMachine(RuleBasedStateMachine):
             return [data.draw(st.integers(0, MAX_ID))]
         batch = data.draw(st.permutations(sorted(pool)))
         return batch[: data.draw(st.integers(1, len(batch)))]
+
+    def drawn_rows(self, data: st.DataObject) -> list[int]:
+        """Makes the persistent batch's rows a drawn batch of resident sequences (rows of freed
+        or swapped ones stay until a drawn batch drops them), mostly prefilled; returns them
+        in row order."""
+        drawn = self.batch(data, self.live - self.swapped)
+        for seq_id in self.rows.seq_ids.tolist():
+            if seq_id not in drawn:
+                self.rows.remove(seq_id)
+        for seq_id in drawn:
+            if seq_id not in self.rows:
+                self.rows.add(seq_id)
+        order: list[int] = self.rows.seq_ids.tolist()
+        if data.draw(st.integers(0, 4)):
+            self.prefill(data, order)
+        return order
 
     def check_plan_shape(self, plan: Any) -> None:
         """The plan's attributes and arrays agree with each other (what the binding hands out)."""
@@ -320,27 +342,14 @@ class BindingMachine(RuleBasedStateMachine):
         """The varied manager decodes through its persistent batch, kept across rules (rows of
         freed or swapped sequences stay until a drawn batch drops them); the canonical one
         takes the one-shot `step` of the same rows in row order: the same result."""
-        drawn = self.batch(data, self.live - self.swapped)
-        for seq_id in self.rows.seq_ids.tolist():
-            if seq_id not in drawn:
-                self.rows.remove(seq_id)
-        for seq_id in drawn:
-            if seq_id not in self.rows:
-                self.rows.add(seq_id)
-        order = self.rows.seq_ids.tolist()
-        if data.draw(st.integers(0, 4)):
-            self.prefill(data, order)
+        order = self.drawn_rows(data)
         tokens = data.draw(st.lists(token, min_size=len(order), max_size=len(order)))
-        fields = (*(f for f in PLAN_ARRAYS if f != "block_tables"), "block_size")
-
-        def inputs(source: Any) -> dict[str, Any]:
-            return {name: plain(getattr(source, name)) for name in fields}
 
         def stepped(m: BlockManager) -> dict[str, Any]:
             m.step_batch(self.rows, self.ids(data, tokens))
-            return inputs(self.rows)
+            return step_inputs(self.rows)
 
-        self.both("step_batch", lambda m: inputs(m.step(order, tokens)), stepped)
+        self.both("step_batch", lambda m: step_inputs(m.step(order, tokens)), stepped)
 
     @precondition(lambda self: bool(self.live - self.swapped))
     @rule(data=st.data())
@@ -348,33 +357,20 @@ class BindingMachine(RuleBasedStateMachine):
         """A speculative step: each row appends its drafts (`verify_batch`), through the
         varied manager's persistent batch and a new batch of the same rows on the canonical
         one; then both drop a drawn number of them (`rollback_batch` against `rollback`)."""
-        drawn = self.batch(data, self.live - self.swapped)
-        for seq_id in self.rows.seq_ids.tolist():
-            if seq_id not in drawn:
-                self.rows.remove(seq_id)
-        for seq_id in drawn:
-            if seq_id not in self.rows:
-                self.rows.add(seq_id)
-        order = self.rows.seq_ids.tolist()
-        if data.draw(st.integers(0, 4)):
-            self.prefill(data, order)
+        order = self.drawn_rows(data)
         counts = data.draw(st.lists(st.integers(1, 4), min_size=len(order), max_size=len(order)))
         tokens = data.draw(st.lists(token, min_size=sum(counts), max_size=sum(counts)))
-        fields = (*(f for f in PLAN_ARRAYS if f != "block_tables"), "block_size")
-
-        def inputs(source: Any) -> dict[str, Any]:
-            return {name: plain(getattr(source, name)) for name in fields}
 
         def appended(m: BlockManager) -> dict[str, Any]:
             rows = Batch()
             for seq_id in order:
                 rows.add(seq_id)
             m.verify_batch(rows, tokens, counts)
-            return inputs(rows)
+            return step_inputs(rows)
 
         def verified(m: BlockManager) -> dict[str, Any]:
             m.verify_batch(self.rows, self.ids(data, tokens), self.ids(data, counts))
-            return inputs(self.rows)
+            return step_inputs(self.rows)
 
         done, _ = self.both("verify_batch", appended, verified)
         if not done:
