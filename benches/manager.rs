@@ -1,8 +1,9 @@
 //! `BlockManager` hot paths: per-token `append`, a decode step at batch 256 through a persistent
-//! `Batch` against the one-shot `step` + plan, and the admission of a 1024-token prompt through
-//! its prefill (hit and miss, against caching off).
-//! Targets: a decode step at batch 256 through a `Batch` <= 15 us; 1024-token hit (allocate,
-//! prefill plan, commit, free) <= 5 us.
+//! `Batch` against the one-shot `step` + plan, a speculative verify step (4 drafts a row) against
+//! that decode step, and the admission of a 1024-token prompt through its prefill (hit and miss,
+//! against caching off).
+//! Targets: a decode step at batch 256 through a `Batch` <= 15 us; a verify step with 4 drafts
+//! <= 3x that step; 1024-token hit (allocate, prefill plan, commit, free) <= 5 us.
 //!
 //! Bookkeeping that keeps lengths bounded (freeing and re-admitting sequences) runs outside the
 //! timed part, through `iter_custom`.
@@ -85,6 +86,14 @@ fn bench_step(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let elapsed = decoding.time(iters, Stepping::Persistent);
             record("step_batch", elapsed, iters)
+        })
+    });
+    // Speculative decoding: each row appends its last token and 4 drafts, then drops the
+    // rejected ones (0 to 4, pseudo-random).
+    g.bench_function("verify_batch/batch256_k4", |b| {
+        b.iter_custom(|iters| {
+            let elapsed = decoding.time(iters, Stepping::Verify);
+            record("verify_batch", elapsed, iters)
         })
     });
     // Without prefix caching no filled block is registered, hashed or evicted: what is left is
@@ -192,6 +201,15 @@ fn main() {
         "step_batch, batch 256, prefix caching off (no registration or eviction)",
     );
     show_ratio("step_batch", "step", "step_batch against step + plan");
+    show_us(
+        "verify_batch",
+        "verify_batch + rollback_batch, batch 256, 4 drafts a row",
+    );
+    show_ratio(
+        "verify_batch",
+        "step_batch",
+        "verify step (4 drafts) against a decode step (target <= 3x)",
+    );
     show_us(
         "hit",
         "1024-token prefix hit, allocate + prefill plan + commit + free (target <= 5 us)",

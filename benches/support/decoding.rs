@@ -1,11 +1,13 @@
 //! The decode loop the step benches time: 256 running sequences of ~500-token prompts,
-//! prefilled, that decode up to `MAX_STEPS` tokens each and are then freed and replaced outside
-//! the timed part.
+//! prefilled, that grow by up to `MAX_GROWTH` tokens each and are then freed and replaced
+//! outside the timed part. A speculative verify step appends `DRAFTS + 1` tokens per row and
+//! rolls back a pseudo-random number of them.
 
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::splitmix64::SplitMix64;
 use crate::tokens::Tokens;
 use crate::BLOCK_SIZE;
 use pagedkv::{Batch, BlockManager, Plan, SeqId, Token};
@@ -14,15 +16,32 @@ use pagedkv::{Batch, BlockManager, Plan, SeqId, Token};
 const BATCH: usize = 256;
 /// Prompt tokens of each sequence (give or take 8).
 const PROMPT: usize = 500;
-/// Decode steps before the batch is replaced.
-const MAX_STEPS: usize = 256;
+/// Tokens a sequence may grow by (appended, before any rollback) before the batch is replaced.
+const MAX_GROWTH: usize = 256;
+/// Draft tokens per row of a verify step.
+const DRAFTS: usize = 4;
 
-/// How a step is taken: the one-shot `step` into a `Plan` (the whole CSR each step), or
-/// `step_batch` on a persistent `Batch` (only what changed).
-#[derive(Clone, Copy)]
+/// How a step is taken: the one-shot `step` into a `Plan` (the whole CSR each step),
+/// `step_batch` on a persistent `Batch` (only what changed), or a speculative verify step on
+/// the `Batch`: `verify_batch` of each row's last token and `DRAFTS` drafts, then
+/// `rollback_batch` of 0..=`DRAFTS` rejected drafts per row.
+#[derive(Clone, Copy, PartialEq)]
 pub enum Stepping {
     OneShot,
     Persistent,
+    #[allow(dead_code)] // each bench includes this file; the admission bench does not verify
+    Verify,
+}
+
+impl Stepping {
+    /// Tokens a row appends in a step.
+    fn tokens(self) -> usize {
+        if self == Stepping::Verify {
+            DRAFTS + 1
+        } else {
+            1
+        }
+    }
 }
 
 /// A decode batch on a manager, stepped by the benches.
@@ -32,15 +51,18 @@ pub struct Decoding {
     plan: Plan,
     batch: Batch,
     tokens: Tokens,
+    /// Draws each verify step's rejected drafts.
+    rejections: SplitMix64,
     next_id: SeqId,
-    steps: usize,
+    /// Tokens each running sequence appended so far (at most; rollbacks not counted).
+    grown: usize,
 }
 
 impl Decoding {
     /// Blocks the batch holds at most: a manager with twice as many keeps freed blocks cached
     /// (so steps evict, as in a serving steady state).
     pub fn blocks() -> u32 {
-        let per_seq = (PROMPT + MAX_STEPS).div_ceil(BLOCK_SIZE as usize) as u32 + 1;
+        let per_seq = (PROMPT + MAX_GROWTH).div_ceil(BLOCK_SIZE as usize) as u32 + 1;
         BATCH as u32 * per_seq
     }
 
@@ -52,8 +74,9 @@ impl Decoding {
             plan: Plan::new(),
             batch: Batch::new(),
             tokens: Tokens::new(2),
+            rejections: SplitMix64(5),
             next_id: 0,
-            steps: 0,
+            grown: 0,
         };
         decoding.admit();
         decoding
@@ -78,29 +101,42 @@ impl Decoding {
             })
             .collect();
         self.mgr.plan(&self.seqs, &lens, &mut self.plan).unwrap();
-        self.steps = 0;
+        self.grown = 0;
     }
 
-    /// One decode step of every sequence.
-    fn step(&mut self, how: Stepping, tokens: &[Token]) {
+    /// One decode step of every sequence; `rejected` holds each row's rejected drafts for a
+    /// verify step.
+    fn step(&mut self, how: Stepping, tokens: &[Token], rejected: &[usize]) {
         match how {
-            Stepping::OneShot => self.mgr.step(&self.seqs, tokens, &mut self.plan),
-            Stepping::Persistent => {
-                let stepped = self.mgr.step_batch(&mut self.batch, tokens);
-                // A device copy of the table would take the log here.
-                self.batch.clear_updates();
-                stepped
+            Stepping::OneShot => {
+                self.mgr.step(&self.seqs, tokens, &mut self.plan).unwrap();
+                return;
+            }
+            Stepping::Persistent => self.mgr.step_batch(&mut self.batch, tokens).unwrap(),
+            Stepping::Verify => {
+                let counts = [(DRAFTS + 1) as u32; BATCH];
+                self.mgr
+                    .verify_batch(&mut self.batch, tokens, &counts)
+                    .unwrap();
+                // The target's forward pass runs here; then its rejected drafts go.
+                self.mgr.rollback_batch(&mut self.batch, rejected).unwrap();
             }
         }
-        .unwrap();
+        // A device copy of the table would take the log here.
+        self.batch.clear_updates();
     }
 
-    /// Counts `steps` more steps of the running batch, replacing it once it took its last.
-    fn advance(&mut self, steps: usize) {
-        self.steps += steps;
-        if self.steps == MAX_STEPS {
-            self.admit();
-        }
+    /// Each row's rejected drafts for one step (none unless it verifies).
+    fn rejected(&mut self, how: Stepping) -> Vec<usize> {
+        let rows = if how == Stepping::Verify { BATCH } else { 0 };
+        (0..rows)
+            .map(|_| (self.rejections.next() % (DRAFTS as u64 + 1)) as usize)
+            .collect()
+    }
+
+    /// Steps of `how` the running batch may still take.
+    fn steps_left(&self, how: Stepping) -> usize {
+        (MAX_GROWTH - self.grown) / how.tokens()
     }
 
     /// Runs `iters` decode steps; returns the time spent stepping. Re-admissions and each
@@ -110,21 +146,26 @@ impl Decoding {
         let mut elapsed = Duration::ZERO;
         let mut left = iters as usize;
         while left > 0 {
-            let tokens = self.tokens.take(BATCH);
-            if self.steps == 0 {
-                self.step(how, &tokens);
-                self.advance(1);
+            let tokens = self.tokens.take(BATCH * how.tokens());
+            if self.steps_left(how) == 0 {
+                self.admit();
+            }
+            if self.grown == 0 {
+                let rejected = self.rejected(how);
+                self.step(how, &tokens, &rejected);
+                self.grown += how.tokens();
                 continue;
             }
-            let chunk = left.min(MAX_STEPS - self.steps);
+            let chunk = left.min(self.steps_left(how));
+            let rejected: Vec<Vec<usize>> = (0..chunk).map(|_| self.rejected(how)).collect();
             let start = Instant::now();
-            for _ in 0..chunk {
-                self.step(how, &tokens);
+            for rejected in &rejected {
+                self.step(how, &tokens, rejected);
             }
             elapsed += start.elapsed();
             black_box((&self.plan, &self.batch));
             left -= chunk;
-            self.advance(chunk);
+            self.grown += chunk * how.tokens();
         }
         elapsed
     }
