@@ -20,6 +20,13 @@ def test_persistent_batch_example_runs() -> None:
     exec(compile(match.group(1), "README persistent batch", "exec"), {})
 
 
+def test_speculative_decoding_example_runs() -> None:
+    text = README.read_text()
+    match = re.search(r"## Speculative decoding\n.*?```python\n(.*?)```", text, re.S)
+    assert match, "the README has a speculative decoding example"
+    exec(compile(match.group(1), "README speculative decoding", "exec"), {})
+
+
 def test_for_users() -> None:
     """At most 750 lines, no revision ids, one performance table whose every row has a command."""
     text = README.read_text()
