@@ -387,7 +387,7 @@ class ModelDrafter:
                     self.mgr.append(seq.seq_id, new)
                     q = len(new)
                 else:
-                    known = seq.tokens[: len(seq.tokens) - len(new)] + new
+                    known = seq.tokens + new
                     q = len(known) - self.mgr.allocate(seq.seq_id, known)
             except OutOfBlocks:
                 self.drop(seq)  # no drafts for it this step
