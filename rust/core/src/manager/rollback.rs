@@ -59,25 +59,29 @@ impl BlockManager {
             }
             places.push(place);
         }
+        let mut unstored = 0;
         for (i, (&place, &count)) in places.iter().zip(counts).enumerate() {
             let s = batch.at(place);
             let before = s.version;
-            self.drop_tokens(s, count);
+            unstored += self.drop_tokens(s, count);
             rolled(i, s, before);
         }
+        // The gauges move once per call, not per sequence.
+        self.gpu.remove_stored(unstored);
+        let dropped: usize = counts.iter().sum();
+        Counters::sub(&self.counters.pending_tokens, dropped as u64);
         Ok(())
     }
 
     /// Drops the last `count` tokens of `s` (all uncommitted): blocks past its new length are
     /// released, last first, and the table gets a new version if it lost any (a block pushed
-    /// later may differ from the one dropped).
-    fn drop_tokens(&self, s: &mut Sequence, count: usize) {
+    /// later may differ from the one dropped). Returns the tokens dropped from the block it
+    /// keeps last, for the caller to uncount from the stored tokens.
+    fn drop_tokens(&self, s: &mut Sequence, count: usize) -> usize {
         let (old, len) = (s.tokens.len(), s.tokens.len() - count);
         let pages = self.bs.pages(len);
         // Held by `s` alone: a block that holds an uncommitted token has one holder.
         self.release_gpu_blocks(&s.table, pages, old);
-        let kept_before = old.min(pages * self.bs.get());
-        self.gpu.remove_stored(kept_before - len);
         s.tokens.truncate(len);
         if pages < s.table.len() {
             s.table.truncate(pages);
@@ -90,6 +94,6 @@ impl BlockManager {
         for copy in &mut s.copying {
             copy.until = copy.until.min(len);
         }
-        Counters::sub(&self.counters.pending_tokens, count as u64);
+        old.min(pages * self.bs.get()) - len
     }
 }
