@@ -125,7 +125,8 @@ impl BlockManager {
             });
         }
         let full = self.bs.index(s.computed);
-        if full > s.registered && !s.swapped && s.swap_source.is_none() && s.loading.is_none() {
+        let registers = self.prefix.is_some() && !s.swapped && s.swap_source.is_none();
+        if full > s.registered && registers && s.loading.is_none() {
             self.register_full(s, full);
         }
         computed
