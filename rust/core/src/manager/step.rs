@@ -105,13 +105,13 @@ impl BlockManager {
             let id = rows.seqs()[row];
             let place = visit_hinted(&mut batch, id, rows.hint(row), stamp, false)?;
             rows.remember(row, place);
-            let s = batch.at(place);
+            let (s, more) = (batch.at(place), count(row));
             not_loading(id, s)?;
-            check_room(s.tokens.len(), count(row))?;
+            check_room(s.tokens.len(), more)?;
             no_gap(id, s, s.tokens.len())?;
             copying |= !s.copying.is_empty();
-            needed += self.blocks_to_append(s, count(row));
-            widest = widest.max(self.bs.pages(s.tokens.len() + count(row)));
+            needed += self.blocks_to_append(s, more);
+            widest = widest.max(self.bs.pages(s.tokens.len() + more));
         }
         // Completing a copy releases its source, which may be another row's tail that then
         // needs no copy-on-write: the blocks are counted again after those commits.
