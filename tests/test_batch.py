@@ -268,8 +268,9 @@ def test_a_batch_plans_attention_like_a_plan() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_attention_from_the_device_table_equals_the_host_csr(backend: str) -> None:
-    # Decode steps of a persistent batch, attended with the CSR built on the device from the
-    # table (plan(batch, table=...)) and with the host CSR (plan(batch)): the same outputs.
+    # Decode and verify steps of a persistent batch (the latter with rollbacks), attended with
+    # the CSR built on the device from the table (plan(batch, table=...)) and with the host CSR
+    # (plan(batch)): the same outputs.
     from pagedkv.attention import PagedAttention
     from pagedkv.kv_cache import KVCache
 
@@ -283,16 +284,18 @@ def test_attention_from_the_device_table_equals_the_host_csr(backend: str) -> No
     for seq_id, length in ((1, 9), (2, 3), (3, 14)):
         admitted(mgr, seq_id, list(range(length)))
         batch.add(seq_id)
-    for step in range(6):
+    for step in range(8):
         if step == 3:
             batch.remove(2)  # row 3 moves into row 1
-        mgr.step_batch(batch, [step] * len(batch))
-        q = torch.randn(len(batch), hkv * group, dim, generator=gen)
+        counts = [1 + (row + step) % 4 if step % 2 else 1 for row in range(len(batch))]
+        mgr.verify_batch(batch, [step] * sum(counts), counts)
+        q = torch.randn(len(batch.positions), hkv * group, dim, generator=gen)
         attn.plan(batch, table=table)
         on_device = attn.run(q, cache, 0)
         attn.plan(batch)
         on_host = attn.run(q, cache, 0)
         torch.testing.assert_close(on_device, on_host, rtol=0, atol=0)
+        mgr.rollback_batch(batch, [count // 2 for count in counts])
 
 
 def test_attention_table_errors() -> None:
