@@ -1,6 +1,6 @@
 //! Appending and planning: `append`, `step` (one decode token per sequence), `step_batch` (the
-//! same for a persistent [`Batch`]) and `plan` (any batch), with the copy-on-write of a shared
-//! last block.
+//! same for a persistent [`Batch`]), `verify_batch` (a speculative step: each row's drafts too)
+//! and `plan` (any batch), with the copy-on-write of a shared last block.
 
 use crate::batch::Batch;
 use crate::block::BlockSize;
