@@ -266,10 +266,7 @@ impl BlockManager {
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let tokens = self::token_ids(token_ids)?;
-        let mut batch = batch.try_borrow_mut()?;
-        let batch = &mut batch.inner;
-        py.detach(|| self.inner.step_batch(batch, &tokens))
-            .map_err(to_py)
+        on_batch(py, batch, |b| self.inner.step_batch(b, &tokens))
     }
 
     /// A speculative step of a persistent batch: row `r` appends its next `counts[r]` tokens
@@ -283,10 +280,7 @@ impl BlockManager {
     ) -> PyResult<()> {
         let tokens = self::token_ids(token_ids)?;
         let counts: Vec<u32> = integers(counts, "counts")?;
-        let mut batch = batch.try_borrow_mut()?;
-        let batch = &mut batch.inner;
-        py.detach(|| self.inner.verify_batch(batch, &tokens, &counts))
-            .map_err(to_py)
+        on_batch(py, batch, |b| self.inner.verify_batch(b, &tokens, &counts))
     }
 
     /// Drops the last `counts[i]` uncommitted tokens of each sequence (rejected drafts).
@@ -310,10 +304,7 @@ impl BlockManager {
         counts: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let counts = token_counts(counts)?;
-        let mut batch = batch.try_borrow_mut()?;
-        let batch = &mut batch.inner;
-        py.detach(|| self.inner.rollback_batch(batch, &counts))
-            .map_err(to_py)
+        on_batch(py, batch, |b| self.inner.rollback_batch(b, &counts))
     }
 
     /// The plan of any batch: each sequence's last `query_lens[i]` tokens are its queries.
@@ -481,4 +472,15 @@ impl BlockManager {
 fn token_counts(counts: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     let counts = integers::<u64>(counts, "token counts")?;
     Ok(counts.into_iter().map(|n| n as usize).collect())
+}
+
+/// Runs `call` on the batch's core, borrowed mutably, without the GIL.
+fn on_batch(
+    py: Python<'_>,
+    batch: &Bound<'_, Batch>,
+    call: impl FnOnce(&mut core::Batch) -> Result<(), core::Error> + Send,
+) -> PyResult<()> {
+    let mut batch = batch.try_borrow_mut()?;
+    let batch = &mut batch.inner;
+    py.detach(|| call(batch)).map_err(to_py)
 }
