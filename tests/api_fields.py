@@ -11,6 +11,7 @@ STATS_FIELDS = (
     "stored_tokens",
     "prefix_query_tokens",
     "prefix_hit_tokens",
+    "prefix_allowed_tokens",
     "evictions",
     "computed_tokens",
     "pending_tokens",

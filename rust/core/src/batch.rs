@@ -265,14 +265,15 @@ impl Batch {
         inputs.slot_mapping.resize(queries, 0);
     }
 
-    /// Writes row `row`'s inputs for its sequence of `len` tokens in `blocks` (a table of
-    /// version `version`), the last `q` of them queries, after rows `0..row`, and makes its
+    /// Writes row `row`'s inputs for its sequence of `len` tokens in `blocks` (logical blocks
+    /// `first_block..`, a table of version `version`), the last `q` of them queries, after rows `0..row`, and makes its
     /// table row mirror `blocks`.
     #[inline(always)]
     pub(crate) fn push(
         &mut self,
         row: usize,
         blocks: &[BlockId],
+        first_block: usize,
         version: u64,
         len: usize,
         q: usize,
@@ -285,7 +286,8 @@ impl Batch {
         let first = inputs.qo_indptr[row] as usize;
         inputs.qo_indptr[row + 1] = (first + q) as i32;
         for (i, position) in (len - q..len).enumerate() {
-            let slot = blocks[bs.index(position)] as usize * bs.get() + bs.offset(position);
+            let slot =
+                blocks[bs.index(position) - first_block] as usize * bs.get() + bs.offset(position);
             inputs.positions[first + i] = position as i32;
             inputs.slot_mapping[first + i] = slot as i32;
         }
@@ -440,7 +442,7 @@ mod tests {
         let bs = BlockSize::new(4);
         batch.begin(2, bs);
         for row in 0..2 {
-            batch.push(row, &[row as BlockId], 1, 2, 1, bs);
+            batch.push(row, &[row as BlockId], 0, 1, 2, 1, bs);
         }
         assert_eq!(batch.inputs().slot_mapping, vec![1, 5]);
         let mut pages = Vec::new();

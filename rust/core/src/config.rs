@@ -26,11 +26,37 @@ pub struct Config {
     /// before its next call. Engines that plan ahead of their forward passes turn it off and
     /// call `commit`.
     pub auto_commit: bool,
+    /// What the layers of this manager's blocks attend to: every earlier token, or only a
+    /// window of them. A windowed manager holds only the blocks its queries can still read.
+    pub attention: Attention,
+}
+
+/// The keys a query at position `p` attends to, which decides what a sequence must hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Attention {
+    /// Every token `0..=p`.
+    #[default]
+    Full,
+    /// The last `window` tokens, `p + 1 - window..=p` (Mistral, Gemma, gpt-oss).
+    SlidingWindow(u32),
+    /// The tokens of `p`'s own chunk, `p / chunk * chunk..=p` (Llama 4's local layers).
+    ChunkedLocal(u32),
+}
+
+impl Attention {
+    /// The first token a query at `position` reads.
+    pub fn first_key(self, position: usize) -> usize {
+        match self {
+            Attention::Full => 0,
+            Attention::SlidingWindow(window) => (position + 1).saturating_sub(window as usize),
+            Attention::ChunkedLocal(chunk) => position / chunk as usize * chunk as usize,
+        }
+    }
 }
 
 impl Config {
     /// `num_blocks` blocks of `block_size` tokens with the defaults: no CPU pool, prefix
-    /// caching on, watermark 0.01, random hash key, no events, auto-commit.
+    /// caching on, watermark 0.01, random hash key, no events, auto-commit, full attention.
     pub fn new(num_blocks: u32, block_size: u32) -> Config {
         Config {
             num_blocks,
@@ -41,6 +67,7 @@ impl Config {
             hash_key: None,
             enable_events: false,
             auto_commit: true,
+            attention: Attention::Full,
         }
     }
 
@@ -62,6 +89,21 @@ impl Config {
                     u64::from(blocks) * u64::from(self.block_size)
                 )));
             }
+        }
+        match self.attention {
+            Attention::Full => {}
+            Attention::SlidingWindow(0) => {
+                return Err(invalid(
+                    "attention: a sliding window must be at least 1 token",
+                ))
+            }
+            Attention::ChunkedLocal(chunk) if chunk == 0 || chunk % self.block_size != 0 => {
+                return Err(invalid(format!(
+                    "attention: the chunk ({chunk}) must be a positive multiple of block_size ({})",
+                    self.block_size
+                )))
+            }
+            _ => {}
         }
         if !(0.0..1.0).contains(&self.watermark) {
             return Err(invalid(format!(
@@ -91,6 +133,10 @@ mod tests {
         assert!(bad(|c| c.watermark = f64::NAN));
         assert!(bad(|c| c.num_blocks = u32::MAX / 2));
         assert!(bad(|c| c.num_cpu_blocks = u32::MAX / 2));
+        assert!(bad(|c| c.attention = Attention::SlidingWindow(0)));
+        assert!(bad(|c| c.attention = Attention::ChunkedLocal(0)));
+        assert!(bad(|c| c.attention = Attention::ChunkedLocal(6)));
+        assert!(!bad(|c| c.attention = Attention::ChunkedLocal(8)));
         assert!(BlockManager::new(Config::new(8, 4)).is_ok());
     }
 }

@@ -76,10 +76,10 @@ mod stats;
 mod sync;
 
 pub use batch::{Batch, TableUpdates};
-pub use config::Config;
+pub use config::{Attention, Config};
 pub use error::{Error, PoolKind};
 pub use events::{Event, EventKind};
-pub use manager::BlockManager;
+pub use manager::{BlockManager, HybridManager};
 pub use plan::Plan;
 #[doc(hidden)]
 pub use pool::bench as pool_bench;

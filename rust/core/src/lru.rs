@@ -41,6 +41,20 @@ impl Lru {
         self.len += 1;
     }
 
+    /// Prepends a block to evict before every other.
+    pub(crate) fn push_front(&mut self, block: BlockId) {
+        let b = block as usize;
+        self.prev[b] = NIL;
+        self.next[b] = self.head;
+        if self.head == NIL {
+            self.tail = block;
+        } else {
+            self.prev[self.head as usize] = block;
+        }
+        self.head = block;
+        self.len += 1;
+    }
+
     /// Number of blocks in the list.
     pub(crate) fn len(&self) -> usize {
         self.len

@@ -5,6 +5,7 @@
 mod admission;
 mod audit;
 mod fork;
+mod hybrid;
 mod lifecycle;
 mod rollback;
 mod step;
@@ -12,8 +13,12 @@ mod swap;
 #[cfg(all(test, not(loom)))]
 mod testing;
 
+pub use hybrid::HybridManager;
+
+use std::sync::Arc;
+
 use crate::block::BlockSize;
-use crate::config::Config;
+use crate::config::{Attention, Config};
 use crate::cpu_tier::CpuTier;
 use crate::error::invalid;
 use crate::events::{EventKind, EventLog};
@@ -38,19 +43,58 @@ pub struct BlockManager {
     config: Config,
     bs: BlockSize,
     watermark_blocks: usize,
-    gpu: BlockPool,
-    cpu: BlockPool,
-    prefix: Option<PrefixCache>,
+    gpu: Arc<BlockPool>,
+    cpu: Arc<BlockPool>,
+    prefix: Option<Arc<PrefixCache>>,
+    /// This manager's group in a [`crate::HybridManager`] (0 alone): it keys the group's
+    /// blocks apart from other groups' in the shared prefix cache, and only group 0 records
+    /// events.
+    group: u8,
     seqs: SequenceMap,
     cpu_tier: CpuTier,
-    events: EventLog,
+    events: Arc<EventLog>,
     counters: Counters,
     stamps: AtomicU64,
+}
+
+/// What the groups of a [`crate::HybridManager`] share: the pools, the prefix cache and the
+/// event log.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    gpu: Arc<BlockPool>,
+    cpu: Arc<BlockPool>,
+    prefix: Option<Arc<PrefixCache>>,
+    events: Arc<EventLog>,
 }
 
 impl BlockManager {
     /// A manager with every block FREE.
     pub fn new(config: Config) -> Result<BlockManager, Error> {
+        let shared = BlockManager::shared(&config)?;
+        Ok(BlockManager::in_group(config, &shared, 0))
+    }
+
+    /// Group `group` of a hybrid manager over `shared` (`config` validated by
+    /// [`BlockManager::shared`], but for its attention).
+    pub(crate) fn in_group(config: Config, shared: &Shared, group: u8) -> BlockManager {
+        BlockManager {
+            bs: BlockSize::new(config.block_size as usize),
+            watermark_blocks: (config.watermark * f64::from(config.num_blocks)) as usize,
+            gpu: Arc::clone(&shared.gpu),
+            cpu: Arc::clone(&shared.cpu),
+            prefix: shared.prefix.clone(),
+            group,
+            seqs: SequenceMap::new(),
+            cpu_tier: CpuTier::default(),
+            events: Arc::clone(&shared.events),
+            counters: Counters::default(),
+            stamps: AtomicU64::new(0),
+            config,
+        }
+    }
+
+    /// The pools, prefix cache and event log a manager (or the groups of one) is built on.
+    pub(crate) fn shared(config: &Config) -> Result<Shared, Error> {
         config.validate()?;
         let pool = |name: &str, blocks: u32| {
             BlockPool::new(blocks).map_err(|e| e.naming(format!("{name} = {blocks}")))
@@ -72,22 +116,16 @@ impl BlockManager {
             };
             let prefix = PrefixCache::new(key, config.num_blocks, config.block_size);
             let slots = u64::from(config.num_blocks) * u64::from(config.block_size);
-            Some(prefix.map_err(|e| e.naming(format!("num_blocks * block_size = {slots}")))?)
+            let prefix = prefix.map_err(|e| e.naming(format!("num_blocks * block_size = {slots}")));
+            Some(Arc::new(prefix?))
         } else {
             None
         };
-        Ok(BlockManager {
-            bs: BlockSize::new(config.block_size as usize),
-            watermark_blocks: (config.watermark * f64::from(config.num_blocks)) as usize,
-            gpu,
-            cpu,
+        Ok(Shared {
+            gpu: Arc::new(gpu),
+            cpu: Arc::new(cpu),
             prefix,
-            seqs: SequenceMap::new(),
-            cpu_tier: CpuTier::default(),
-            events: EventLog::new(config.enable_events),
-            counters: Counters::default(),
-            stamps: AtomicU64::new(0),
-            config,
+            events: Arc::new(EventLog::new(config.enable_events)),
         })
     }
 
@@ -106,10 +144,10 @@ impl BlockManager {
         if s.swapped {
             self.release_cpu_blocks(&s.table);
         } else {
-            self.release_gpu_blocks(&s.table, 0, len);
+            self.release_gpu_blocks(&s.table, s.first, s.first, len);
         }
         match &s.swap_source {
-            Some(gpu) if s.swapped => self.release_gpu_blocks(gpu, 0, len),
+            Some(gpu) if s.swapped => self.release_gpu_blocks(gpu, s.first, s.first, len),
             Some(cpu) => self.release_cpu_blocks(cpu),
             None => {}
         }
@@ -124,7 +162,8 @@ impl BlockManager {
         Ok(())
     }
 
-    /// The sequence's GPU block table.
+    /// The sequence's GPU block table: from logical block [`BlockManager::first_block`] on (0
+    /// but for windowed attention).
     pub fn block_table(&self, seq: SeqId) -> Result<Vec<BlockId>, Error> {
         let one = self.seqs.lock_one(seq);
         let s = one.get_ref().ok_or(Error::UnknownSequence(seq))?;
@@ -132,6 +171,13 @@ impl BlockManager {
             return Err(Error::SwappedOut(seq));
         }
         Ok(s.table.clone())
+    }
+
+    /// The logical block the sequence's table starts at: blocks before it left the attention
+    /// window and were released (always 0 with full attention).
+    pub fn first_block(&self, seq: SeqId) -> Result<usize, Error> {
+        let one = self.seqs.lock_one(seq);
+        Ok(one.get_ref().ok_or(Error::UnknownSequence(seq))?.first)
     }
 
     /// Number of tokens in the sequence.
@@ -197,6 +243,7 @@ impl BlockManager {
             external_query_tokens: Counters::get(&self.counters.external_query_tokens),
             external_hit_tokens: Counters::get(&self.counters.external_hit_tokens),
             external_failures: Counters::get(&self.counters.external_failures),
+            prefix_allowed_tokens: Counters::get(&self.counters.prefix_allowed_tokens),
         }
     }
 
@@ -219,18 +266,50 @@ impl BlockManager {
             })
     }
 
-    /// Releases blocks `from..` of the GPU block table of `len` tokens, last block first.
-    fn release_gpu_blocks(&self, table: &[BlockId], from: usize, len: usize) {
-        let blocks = table.iter().enumerate().skip(from).rev();
+    /// Releases logical blocks `from..` of a GPU block table of `len` tokens that starts at
+    /// logical block `first`, last block first.
+    fn release_gpu_blocks(&self, table: &[BlockId], first: usize, from: usize, len: usize) {
+        let blocks = table.iter().enumerate().skip(from - first).rev();
         self.gpu
-            .release_blocks(blocks.map(|(i, &block)| (block, self.bs.fill(i, len))));
+            .release_blocks(blocks.map(|(j, &block)| (block, self.bs.fill(first + j, len))));
+    }
+
+    /// With windowed attention, releases the blocks no query from `position` on reads. They
+    /// are evicted before every other cached block, but for those a request resuming where the
+    /// sequence's prompt ends needs (the next turn of a chat), which keep their place.
+    #[inline(always)]
+    fn release_behind(&self, s: &mut Sequence, position: usize) {
+        let attention = self.config.attention;
+        if attention == Attention::Full {
+            return;
+        }
+        let keep = self.bs.index(attention.first_key(position));
+        if keep <= s.first {
+            return;
+        }
+        let resume = self.bs.index(s.prompt_len.saturating_sub(1));
+        let kept = self.bs.index(attention.first_key(resume * self.bs.get()))..resume;
+        let (len, first, n) = (s.tokens.len(), s.first, keep - s.first);
+        let blocks = s.table[..n].iter().enumerate().map(|(j, &block)| {
+            let i = first + j;
+            (block, self.bs.fill(i, len), !kept.contains(&i))
+        });
+        self.gpu.release_blocks_as(blocks);
+        s.table.drain(..n);
+        s.first = keep;
+        s.table_changed();
+    }
+
+    /// Whether this manager records events: only group 0 of a hybrid manager does.
+    fn publishes(&self) -> bool {
+        self.group == 0 && self.events.enabled()
     }
 
     /// Releases a CPU block table, last block first; a freed block leaves the CPU tier.
     fn release_cpu_blocks(&self, table: &[BlockId]) {
         for &block in table.iter().rev() {
             let release = || self.cpu.release_block(block, 0) != Released::Held;
-            if !self.events.enabled() {
+            if !self.publishes() {
                 release();
                 continue;
             }
@@ -343,6 +422,9 @@ impl BlockManager {
         if evicted {
             if let Some(prefix) = &self.prefix {
                 prefix.unregister(block, || {
+                    if prefix.group_of(block) != 0 {
+                        return;
+                    }
                     self.events.record(|| EventKind::BlockRemoved {
                         block_hash: prefix.hash_of(block),
                         block_id: block,

@@ -6,6 +6,7 @@
 use std::collections::TryReserveError;
 
 use crate::block::BlockSize;
+use crate::config::Attention;
 use crate::BlockId;
 
 /// Inputs of one attention step for a batch, in batch order. All arrays are int32.
@@ -15,6 +16,11 @@ use crate::BlockId;
 /// `qo_indptr[b]..qo_indptr[b+1]` with `positions` and KV `slot_mapping`
 /// (`block * block_size + offset`). `block_size` is that of the manager that wrote the plan, so
 /// a consumer can refuse a plan meant for another cache layout.
+///
+/// With windowed `attention`, a sequence's pages start at the first block its queries still
+/// read (a block boundary, and a chunk boundary for chunked attention), so its `kv_len` keys
+/// are its last ones: key `j` is at position `len - kv_len + j`, `len` being one past its last
+/// query's position.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
     /// `[B + 1]` offsets into `kv_indices`.
@@ -34,6 +40,8 @@ pub struct Plan {
     pub copies: Vec<i32>,
     /// Token slots per block of the manager that wrote the plan (0 before the first write).
     pub block_size: u32,
+    /// What the queries attend to (the manager's [`Attention`]).
+    pub attention: Attention,
 }
 
 impl Plan {
@@ -117,10 +125,12 @@ impl Plan {
         self.qo_indptr.push(0);
     }
 
-    /// Adds the next sequence: `kv_len` tokens in `table`, the last `query_len` of them new.
+    /// Adds the next sequence: `kv_len` tokens in `table` (logical blocks `first..`), the last
+    /// `query_len` of them new.
     pub(crate) fn push(
         &mut self,
         table: &[BlockId],
+        first: usize,
         kv_len: usize,
         query_len: usize,
         bs: BlockSize,
@@ -131,25 +141,25 @@ impl Plan {
             "begun with another size"
         );
         let pages = bs.pages(kv_len);
-        let table = &table[..pages];
+        let table = &table[..pages - first];
         self.kv_indices.extend(table.iter().map(|&b| b as i32));
         self.kv_indptr.push(self.kv_indices.len() as i32);
         self.kv_last_page_len
             .push((kv_len - (pages - 1) * bs.get()) as i32);
-        let first = kv_len - query_len;
+        let start = kv_len - query_len;
         if query_len == 1 {
             // A decode query: one position, one slot.
-            self.positions.push(first as i32);
-            let block = table[bs.index(first)] as usize;
+            self.positions.push(start as i32);
+            let block = table[bs.index(start) - first] as usize;
             self.slot_mapping
-                .push((block * bs.get() + bs.offset(first)) as i32);
+                .push((block * bs.get() + bs.offset(start)) as i32);
         } else {
-            self.positions.extend((first..kv_len).map(|p| p as i32));
+            self.positions.extend((start..kv_len).map(|p| p as i32));
             // Block by block: each block's slots are a range, which extends like a `memcpy`.
-            let mut p = first;
+            let mut p = start;
             while p < kv_len {
                 let end = kv_len.min((bs.index(p) + 1) * bs.get());
-                let slot = table[bs.index(p)] as usize * bs.get() + bs.offset(p);
+                let slot = table[bs.index(p) - first] as usize * bs.get() + bs.offset(p);
                 self.slot_mapping
                     .extend((slot..slot + (end - p)).map(|s| s as i32));
                 p = end;
@@ -178,8 +188,8 @@ mod tests {
         let mut plan = Plan::new();
         let bs = BlockSize::new(4);
         plan.begin(2, 4, 5, bs);
-        plan.push(&[7, 2, 5], 9, 2, bs); // positions 7, 8 in blocks 2 and 5
-        plan.push(&[1], 3, 3, bs);
+        plan.push(&[7, 2, 5], 0, 9, 2, bs); // positions 7, 8 in blocks 2 and 5
+        plan.push(&[1], 0, 3, 3, bs);
         assert_eq!(plan.block_size, 4);
         assert_eq!(plan.kv_indptr, vec![0, 3, 4]);
         assert_eq!(plan.kv_indices, vec![7, 2, 5, 1]);
@@ -208,9 +218,9 @@ mod tests {
         let bs = BlockSize::new(1);
         let long: Vec<BlockId> = (0..1000).collect();
         plan.begin(101, 1100, 101, bs);
-        plan.push(&long, 1000, 1, bs);
+        plan.push(&long, 0, 1000, 1, bs);
         for b in 0..100 {
-            plan.push(&[b], 1, 1, bs);
+            plan.push(&[b], 0, 1, 1, bs);
         }
         assert_eq!(plan.kv_indices.len(), 1100);
         assert!(plan.kv_indices.capacity() < 101 * 1000);

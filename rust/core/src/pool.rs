@@ -294,7 +294,7 @@ impl BlockPool {
     /// at zero they no longer count as stored. See [`Released`].
     pub(crate) fn release_block(&self, block: BlockId, fill: u32) -> Released {
         let mut lru = None;
-        let released = self.release_under(block, &mut lru);
+        let released = self.release_under(block, &mut lru, false);
         let last = usize::from(released != Released::Held);
         self.finish_releases(lru, last, last * fill as usize);
         released
@@ -304,9 +304,15 @@ impl BlockPool {
     /// lock taken once per chunk of blocks rather than per block that becomes CACHED, and the
     /// counters updated once per chunk.
     pub(crate) fn release_blocks(&self, blocks: impl IntoIterator<Item = (BlockId, u32)>) {
+        self.release_blocks_as(blocks.into_iter().map(|(block, fill)| (block, fill, false)));
+    }
+
+    /// [`BlockPool::release_blocks`] where each block says whether, once CACHED, it is evicted
+    /// before every block cached so far (`true`) or after them (`false`).
+    pub(crate) fn release_blocks_as(&self, blocks: impl IntoIterator<Item = (BlockId, u32, bool)>) {
         let (mut lru, mut last, mut fill, mut handled) = (None, 0, 0, 0);
-        for (block, block_fill) in blocks {
-            if self.release_under(block, &mut lru) != Released::Held {
+        for (block, block_fill, first) in blocks {
+            if self.release_under(block, &mut lru, first) != Released::Held {
                 last += 1;
                 fill += block_fill as usize;
             }
@@ -320,11 +326,13 @@ impl BlockPool {
     }
 
     /// One release of [`BlockPool::release_block`], taking the LRU lock into `lru` (if not held
-    /// yet) when the block becomes CACHED; the caller updates the counters.
+    /// yet) when the block becomes CACHED, at the LRU's head if `first`; the caller updates the
+    /// counters.
     fn release_under<'p>(
         &'p self,
         block: BlockId,
         lru: &mut Option<MutexGuard<'p, Lru>>,
+        first: bool,
     ) -> Released {
         let state = &self.states[block as usize];
         let mut current = BlockState(state.load(Ordering::Relaxed));
@@ -357,7 +365,11 @@ impl BlockPool {
                     current = BlockState(now);
                     continue;
                 }
-                lru.push_back(block);
+                if first {
+                    lru.push_front(block);
+                } else {
+                    lru.push_back(block);
+                }
                 return Released::Cached;
             }
             // The last holder of an unhashed block is alone with it: lookups only CAS hashed

@@ -48,12 +48,13 @@ const SECRET: usize = 192;
 const STACK_BYTES: usize = 16 + 4 * 32;
 
 /// Words of a block's registration: what a lookup verifies (`[key_lo, key_hi, parent_key_lo,
-/// parent_key_hi]`), then the BLAKE3 chaining value a hit reads next, then the block's tokens,
-/// two to a word (the first in the low half).
+/// parent_key_hi]`), then the BLAKE3 chaining value a hit reads next, the group that registered
+/// it, then the block's tokens, two to a word (the first in the low half).
 const KEY: usize = 0;
 const PARENT: usize = 2;
 const CHAIN: usize = 4;
-const TOKENS: usize = 8;
+const GROUP: usize = 8;
+const TOKENS: usize = 9;
 
 /// Hashes, map and registered contents of one GPU pool.
 pub(crate) struct PrefixCache {
@@ -135,6 +136,8 @@ pub(crate) struct PromptHashes {
     pub(crate) hits: Vec<(BlockId, BlockState)>,
     /// Hits with refcount 0 (CACHED): taking them uses up an available block.
     pub(crate) cached_hits: usize,
+    /// The logical block the hits start at (0 but for windowed attention).
+    pub(crate) first: usize,
     /// `chains[computed_from..]` were computed, starting from `chains[computed_from - 1]` as
     /// it was then (the root when 0).
     computed_from: usize,
@@ -154,6 +157,7 @@ impl PromptHashes {
     ) {
         self.hits.clear();
         self.cached_hits = 0;
+        self.first = 0;
         let bs = prefix.block_size;
         let mut parent = root_key(&self.root);
         for (i, &key) in self.keys.iter().enumerate().take(hittable) {
@@ -168,7 +172,51 @@ impl PromptHashes {
             self.chains[i] = prefix.chain_of(block);
             parent = key;
         }
-        let from = self.hits.len();
+        self.chain_from(prefix, tokens, self.hits.len());
+    }
+
+    /// For windowed attention: the longest hit of at most `upto` blocks whose blocks
+    /// `first(k)..k`, those a query at the hit point reads, are all cached. Hits go from block
+    /// `self.first`, and every chaining value is computed (the blocks before the hit need
+    /// not be cached). Returns the hit's length in blocks. Read-only on the cache.
+    pub(crate) fn find_window_hits(
+        &mut self,
+        prefix: &PrefixCache,
+        pool: &BlockPool,
+        tokens: &[Token],
+        upto: usize,
+        first: impl Fn(usize) -> usize,
+    ) -> usize {
+        let bs = prefix.block_size;
+        let mut found: Vec<Option<Option<(BlockId, BlockState)>>> = vec![None; upto];
+        let mut probe = |i: usize| {
+            *found[i].get_or_insert_with(|| {
+                let parent = if i == 0 {
+                    root_key(&self.root)
+                } else {
+                    self.keys[i - 1]
+                };
+                prefix.find(pool, self.keys[i], parent, &tokens[i * bs..(i + 1) * bs])
+            })
+        };
+        let mut k = upto;
+        while let Some(miss) = (first(k)..k).rev().find(|&i| probe(i).is_none()) {
+            k = miss;
+        }
+        self.first = if k == 0 { 0 } else { first(k) };
+        self.hits.clear();
+        self.hits
+            .extend((self.first..k).map(|i| probe(i).expect("verified above")));
+        self.cached_hits = (self.hits.iter())
+            .filter(|(_, state)| state.refcount() == 0)
+            .count();
+        self.chain_from(prefix, tokens, 0);
+        k
+    }
+
+    /// Computes the chaining values of blocks `from..`, unless a previous walk already did from
+    /// the same starting point.
+    fn chain_from(&mut self, prefix: &PrefixCache, tokens: &[Token], from: usize) {
         let base = if from == 0 {
             self.root
         } else {
@@ -178,7 +226,11 @@ impl PromptHashes {
             return;
         }
         let mut chain = base;
-        for (i, block_tokens) in tokens.chunks_exact(bs).enumerate().skip(from) {
+        for (i, block_tokens) in tokens
+            .chunks_exact(prefix.block_size)
+            .enumerate()
+            .skip(from)
+        {
             chain = prefix.hash_block(&chain, block_tokens);
             self.chains[i] = chain;
         }
@@ -213,11 +265,16 @@ impl PrefixCache {
         })
     }
 
-    /// The chaining value before a sequence's first block: binds the key and the tenant salt.
-    pub(crate) fn root(&self, salt: Option<&[u8]>) -> Chain {
-        match salt {
+    /// The chaining value before a sequence's first block in `group`: binds the key, the tenant
+    /// salt and, past group 0, the group (whose blocks hold other layers' KV).
+    pub(crate) fn root(&self, salt: Option<&[u8]>, group: u8) -> Chain {
+        let root = match salt {
             None => self.unsalted_root,
             Some(_) => root_of(&self.key, salt),
+        };
+        match group {
+            0 => root,
+            _ => *blake3::keyed_hash(&root, &[b'g', group]).as_bytes(),
         }
     }
 
@@ -245,8 +302,13 @@ impl PrefixCache {
     /// Hashes a prompt for admission: the root and every full block's map key, no lookup yet
     /// (see [`PromptHashes::find_hits`]). Takes no lock; the vectors become the admitted
     /// sequence's.
-    pub(crate) fn hash_prompt(&self, tokens: &[Token], salt: Option<&[u8]>) -> PromptHashes {
-        let root = self.root(salt);
+    pub(crate) fn hash_prompt(
+        &self,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+        group: u8,
+    ) -> PromptHashes {
+        let root = self.root(salt, group);
         let full = tokens.len() / self.block_size;
         let mut keys = Vec::with_capacity(full);
         let mut key = root_key(&root);
@@ -262,6 +324,7 @@ impl PrefixCache {
             chains,
             hits: Vec::new(),
             cached_hits: 0,
+            first: 0,
             computed_from: usize::MAX,
             base: [0; 32],
         }
@@ -274,10 +337,11 @@ impl PrefixCache {
         pool: &BlockPool,
         tokens: &[Token],
         salt: Option<&[u8]>,
+        group: u8,
         hittable: usize,
     ) -> (usize, usize) {
         let (mut hits, mut cached) = (0, 0);
-        let mut parent = root_key(&self.root(salt));
+        let mut parent = root_key(&self.root(salt, group));
         for block_tokens in tokens.chunks_exact(self.block_size).take(hittable) {
             let key = self.key_block(parent, block_tokens);
             let Some((_, state)) = self.find(pool, key, parent, block_tokens) else {
@@ -392,6 +456,12 @@ impl PrefixCache {
         chain
     }
 
+    /// The group that registered `block`.
+    pub(crate) fn group_of(&self, block: BlockId) -> u8 {
+        let (head, _) = self.registration(block);
+        head[GROUP].load(Ordering::Relaxed) as u8
+    }
+
     /// The (published) hash `block` was registered with.
     pub(crate) fn hash_of(&self, block: BlockId) -> BlockHash {
         block_hash_of(&self.chain_of(block))
@@ -408,6 +478,7 @@ impl PrefixCache {
         parent: MapKey,
         chain: &Chain,
         tokens: &[Token],
+        group: u8,
         publish: impl FnOnce(),
     ) {
         let mut region = self.map.lock(key);
@@ -422,7 +493,8 @@ impl PrefixCache {
             .map(|word| u64::from_le_bytes(word.try_into().expect("8 bytes")));
         let values = [key_lo, key_hi, parent_lo, parent_hi]
             .into_iter()
-            .chain(chain);
+            .chain(chain)
+            .chain([u64::from(group)]);
         for (slot, value) in head.iter().zip(values) {
             slot.store(value, Ordering::Relaxed);
         }
@@ -441,13 +513,17 @@ impl PrefixCache {
         }
     }
 
-    /// The published hash of every registered block (each region read under its lock, one after
-    /// another: a block mapped there cannot be unregistered, so its registration is stable).
-    pub(crate) fn hashes(&self) -> Vec<BlockHash> {
+    /// The published hash of every block `group` registered (each region read under its lock,
+    /// one after another: a block mapped there cannot be unregistered, so its registration is
+    /// stable).
+    pub(crate) fn hashes(&self, group: u8) -> Vec<BlockHash> {
         self.map
             .regions()
             .flat_map(|region| {
-                let hashes: Vec<_> = region.blocks().map(|b| self.hash_of(b)).collect();
+                let hashes: Vec<_> = (region.blocks())
+                    .filter(|&b| self.group_of(b) == group)
+                    .map(|b| self.hash_of(b))
+                    .collect();
                 hashes
             })
             .collect()

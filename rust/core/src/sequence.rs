@@ -20,8 +20,11 @@ const _: () = assert!(SHARDS.is_power_of_two() && SHARDS <= u32::BITS as usize);
 #[repr(C)]
 pub(crate) struct Sequence {
     pub(crate) tokens: Vec<Token>,
-    /// GPU block ids, or CPU block ids while `swapped`.
+    /// GPU block ids, or CPU block ids while `swapped`, of logical blocks `first..`.
     pub(crate) table: Vec<BlockId>,
+    /// Logical blocks `0..first` left the attention window (windowed managers only): no query
+    /// reads them again, so they were released.
+    pub(crate) first: usize,
     /// Tokens `0..computed` have KV the engine confirmed.
     pub(crate) computed: usize,
     /// Tokens `0..planned` are computed or being computed by a handed-out plan
@@ -54,6 +57,9 @@ pub(crate) struct Sequence {
     pub(crate) keys: Vec<MapKey>,
     /// Chaining value before block 0 (binds the key and the salt).
     pub(crate) root: Chain,
+    /// Tokens of the prompt it was admitted with: a windowed manager keeps the blocks a later
+    /// request needs to resume there ahead of other released blocks.
+    pub(crate) prompt_len: usize,
 }
 
 /// One copy-on-write copy a sequence still depends on.
@@ -80,8 +86,10 @@ impl Sequence {
         registered: usize,
     ) -> Sequence {
         Sequence {
+            prompt_len: tokens.len(),
             tokens,
             table,
+            first: 0,
             keys,
             hashes,
             root,
@@ -97,6 +105,12 @@ impl Sequence {
             loading: None,
             version: next_version(),
         }
+    }
+
+    /// The block holding logical block `i` (at least `first`).
+    #[inline(always)]
+    pub(crate) fn block(&self, i: usize) -> BlockId {
+        self.table[i - self.first]
     }
 
     /// Marks the table as changed in place (an entry replaced).

@@ -23,6 +23,9 @@ pub struct Stats {
     pub prefix_query_tokens: u64,
     /// Prompt tokens served from the prefix cache.
     pub prefix_hit_tokens: u64,
+    /// Prompt tokens this manager (or group of a [`crate::HybridManager`]) alone could have
+    /// served from its cache: a hybrid hit is the least any group allows.
+    pub prefix_allowed_tokens: u64,
     /// CACHED blocks evicted to make room.
     pub evictions: u64,
     /// Tokens of live sequences whose KV the engine has confirmed (per sequence: a token shared
@@ -44,6 +47,7 @@ pub struct Stats {
 pub(crate) struct Counters {
     pub(crate) prefix_query_tokens: AtomicU64,
     pub(crate) prefix_hit_tokens: AtomicU64,
+    pub(crate) prefix_allowed_tokens: AtomicU64,
     pub(crate) evictions: AtomicU64,
     pub(crate) computed_tokens: AtomicU64,
     pub(crate) pending_tokens: AtomicU64,

@@ -1026,6 +1026,7 @@ impl Model {
             stored_tokens: stored,
             prefix_query_tokens: self.query_tokens,
             prefix_hit_tokens: self.hit_tokens,
+            prefix_allowed_tokens: self.hit_tokens,
             evictions: self.evictions,
             computed_tokens: computed,
             pending_tokens: pending,

@@ -81,6 +81,7 @@ impl BlockManager {
             hash_key,
             enable_events,
             auto_commit,
+            attention: core::Attention::Full,
         };
         let inner = core::BlockManager::new(config).map_err(to_py)?;
         Ok(BlockManager {

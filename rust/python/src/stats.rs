@@ -74,6 +74,9 @@ mirror! {
     prefix_query_tokens: u64,
     /// Prompt tokens served from the prefix cache.
     prefix_hit_tokens: u64,
+    /// Prompt tokens this manager alone could have served (a hybrid hit is the least of its
+    /// groups').
+    prefix_allowed_tokens: u64,
     /// Cached blocks evicted to make room.
     evictions: u64,
     /// Tokens of live sequences whose KV is computed (per sequence).

@@ -1,13 +1,28 @@
 //! Admission and the prefix cache: `allocate` (and `allocate_loading`) reuse the cached full
 //! blocks of a prompt's prefix; read-only lookups, block hashes and the cache's reset.
 
+use crate::block::BlockSize;
+use crate::config::Attention;
 use crate::error::invalid;
 use crate::events::EventKind;
 use crate::manager::{check_room, BlockManager, Taken, MAX_TOKENS};
-use crate::prefix::{block_hash_of, BlockHash, PrefixCache};
-use crate::sequence::Sequence;
+use crate::prefix::{block_hash_of, BlockHash, PrefixCache, PromptHashes};
+use crate::sequence::{LockedSeq, Sequence};
 use crate::stats::Counters;
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
+
+/// A prompt being admitted: its hashes and found hits (`None` without prefix caching).
+pub(super) struct Admission(Option<PromptHashes>);
+
+/// Fails unless a prompt can be admitted; returns how many of its full blocks a hit may cover
+/// (never the last token).
+pub(super) fn check_prompt(tokens: &[Token], bs: BlockSize) -> Result<usize, Error> {
+    if tokens.is_empty() {
+        return Err(invalid("allocate needs at least one token"));
+    }
+    check_room(0, tokens.len())?;
+    Ok(bs.index(tokens.len() - 1))
+}
 
 impl BlockManager {
     /// Admits sequence `seq` with its prompt, reusing cached full blocks of the same prefix
@@ -44,76 +59,116 @@ impl BlockManager {
         salt: Option<&[u8]>,
         loadable: Option<usize>,
     ) -> Result<(usize, Vec<BlockId>), Error> {
-        if tokens.is_empty() {
-            return Err(invalid("allocate needs at least one token"));
-        }
-        check_room(0, tokens.len())?;
-        let bs = self.bs;
-        let pages = bs.pages(tokens.len());
-        let hittable = bs.index(tokens.len() - 1);
+        let hittable = check_prompt(tokens, self.bs)?;
         // The prompt is hashed before any lock is taken, so a long prompt never stalls the
         // sequences that share its shard, and a retry after a lost race hashes nothing again.
-        let mut prompt = self
-            .prefix
-            .as_ref()
-            .map(|p| (p, p.hash_prompt(tokens, salt)));
-        let (mut one, table) = loop {
-            if let Some((prefix, prompt)) = &mut prompt {
-                prompt.find_hits(prefix, &self.gpu, tokens, hittable);
-            }
+        let mut prompt = self.hash_prompt(tokens, salt);
+        loop {
+            let hit = self.find_hits(&mut prompt, tokens, hittable);
             let mut one = self.seqs.lock_one(seq);
             if one.get().is_some() {
                 return Err(Error::DuplicateSequence(seq));
             }
-            let (hits, cached_hits) = match &prompt {
-                Some((_, p)) => (&p.hits[..], p.cached_hits),
-                None => (&[][..], 0),
-            };
-            let needed = pages - hits.len() + cached_hits;
+            let needed = self.admission_needs(tokens, &prompt);
             self.reserve_gpu(needed)?;
-            let mut table = Vec::with_capacity(pages);
-            let (acquired, used) = self.gpu.acquire_hits(hits, bs.get() as u32);
-            table.extend(hits[..acquired].iter().map(|&(block, _)| block));
-            if acquired < hits.len() {
-                // Another thread changed a matched block between lookup and acquire: undo, retry.
-                self.release_gpu_blocks(&table, 0, table.len() * bs.get());
-                self.gpu.unreserve(needed - used);
+            let Some((table, used)) = self.acquire_hits(&prompt) else {
+                self.gpu.unreserve(needed);
                 continue;
-            }
-            let mut taken = Taken::default();
-            while table.len() < pages {
-                table.push(self.take(&mut taken));
-            }
-            self.finish_taking(needed - used, taken);
-            break (one, table);
+            };
+            let needed = needed - used;
+            let admitted = (tokens, prompt, hit, hit);
+            return Ok(self.admit_locked(&mut one, admitted, table, needed, loadable));
+        }
+    }
+
+    /// The prompt's hashes for admission (none without prefix caching).
+    pub(super) fn hash_prompt(&self, tokens: &[Token], salt: Option<&[u8]>) -> Admission {
+        Admission((self.prefix.as_ref()).map(|p| p.hash_prompt(tokens, salt, self.group)))
+    }
+
+    /// Finds the prompt's longest hit of at most `upto` full blocks that this manager can
+    /// serve (with windowed attention, the blocks its next query reads); returns its length in
+    /// blocks. Read-only on the cache.
+    pub(super) fn find_hits(&self, prompt: &mut Admission, tokens: &[Token], upto: usize) -> usize {
+        let (Some(prefix), Some(prompt)) = (&self.prefix, &mut prompt.0) else {
+            return 0;
         };
-        let hit_blocks = prompt.as_ref().map_or(0, |(_, p)| p.hits.len());
-        let reused = hit_blocks * bs.get();
+        match self.config.attention {
+            Attention::Full => {
+                prompt.find_hits(prefix, &self.gpu, tokens, upto);
+                prompt.hits.len()
+            }
+            attention => {
+                let bs = self.bs;
+                let first = |k: usize| bs.index(attention.first_key(k * bs.get()));
+                prompt.find_window_hits(prefix, &self.gpu, tokens, upto, first)
+            }
+        }
+    }
+
+    /// Blocks admitting the prompt with its found hits takes.
+    pub(super) fn admission_needs(&self, tokens: &[Token], prompt: &Admission) -> usize {
+        let pages = self.bs.pages(tokens.len());
+        match &prompt.0 {
+            Some(p) => pages - p.first - p.hits.len() + p.cached_hits,
+            None => pages,
+        }
+    }
+
+    /// Takes the prompt's hits (reserved): the table of the hit blocks and how many reserved
+    /// blocks that used, or `None` (nothing taken) if another thread changed a hit since.
+    pub(super) fn acquire_hits(&self, prompt: &Admission) -> Option<(Vec<BlockId>, usize)> {
+        let Some(p) = &prompt.0 else {
+            return Some((Vec::new(), 0));
+        };
+        let (acquired, used) = self.gpu.acquire_hits(&p.hits, self.bs.get() as u32);
+        let table: Vec<BlockId> = p.hits[..acquired].iter().map(|&(block, _)| block).collect();
+        if acquired < p.hits.len() {
+            self.release_gpu_blocks(&table, 0, 0, table.len() * self.bs.get());
+            self.gpu.unreserve(used);
+            return None;
+        }
+        Some((table, used))
+    }
+
+    /// Admits the sequence once `admitted`'s hits (`(tokens, prompt, hit, allowed)`: `hit`
+    /// blocks of the `allowed` this manager alone could serve) are in `table` and `needed`
+    /// blocks are reserved for the rest: returns the reused tokens and the blocks to load.
+    pub(super) fn admit_locked(
+        &self,
+        one: &mut LockedSeq<'_>,
+        (tokens, prompt, hit, allowed): (&[Token], Admission, usize, usize),
+        mut table: Vec<BlockId>,
+        needed: usize,
+        loadable: Option<usize>,
+    ) -> (usize, Vec<BlockId>) {
+        let bs = self.bs;
+        let (pages, hittable) = (bs.pages(tokens.len()), bs.index(tokens.len() - 1));
+        let first = prompt.0.as_ref().map_or(0, |p| p.first);
+        let mut taken = Taken::default();
+        while first + table.len() < pages {
+            table.push(self.take(&mut taken));
+        }
+        self.finish_taking(needed, taken);
+        let reused = hit * bs.get();
         let loads = match loadable {
-            Some(until) if self.prefix.is_some() => until.min(hittable).saturating_sub(hit_blocks),
+            Some(until) if self.prefix.is_some() => until.min(hittable).saturating_sub(hit),
             _ => 0,
         };
-        let load_blocks = table[hit_blocks..hit_blocks + loads].to_vec();
-        let (keys, hashes, root) = match prompt {
-            Some((_, p)) => (p.keys, p.chains, p.root),
+        let load_blocks = table[hit - first..hit - first + loads].to_vec();
+        let (keys, hashes, root) = match prompt.0 {
+            Some(p) => (p.keys, p.chains, p.root),
             None => (Vec::new(), Vec::new(), [0; 32]),
         };
-        let mut sequence = Sequence::new(
-            tokens.to_vec(),
-            table,
-            keys,
-            hashes,
-            root,
-            reused,
-            hit_blocks,
-        );
+        let mut sequence = Sequence::new(tokens.to_vec(), table, keys, hashes, root, reused, hit);
+        sequence.first = first;
         if loads > 0 {
-            sequence.loading = Some((hit_blocks, loads));
+            sequence.loading = Some((hit, loads));
         }
         if loadable.is_some() {
             Counters::add(
                 &self.counters.external_query_tokens,
-                ((hittable.saturating_sub(hit_blocks)) * bs.get()) as u64,
+                ((hittable.saturating_sub(hit)) * bs.get()) as u64,
             );
         }
         self.gpu.add_stored(tokens.len() - reused);
@@ -124,8 +179,12 @@ impl BlockManager {
         );
         Counters::add(&self.counters.prefix_query_tokens, tokens.len() as u64);
         Counters::add(&self.counters.prefix_hit_tokens, reused as u64);
+        Counters::add(
+            &self.counters.prefix_allowed_tokens,
+            (allowed * bs.get()) as u64,
+        );
         one.insert(sequence);
-        Ok((reused, load_blocks))
+        (reused, load_blocks)
     }
 
     /// Whether a prompt could be admitted now while keeping the watermark in reserve.
@@ -133,13 +192,13 @@ impl BlockManager {
         if tokens.is_empty() || tokens.len() > MAX_TOKENS {
             return false;
         }
-        let (hits, cached_hits) = self.count_hits(tokens, salt);
-        let needed = self.bs.pages(tokens.len()) - hits + cached_hits;
+        let needed = self.count_hits(tokens, salt).1;
         self.gpu.available() >= needed + self.watermark_blocks
     }
 
-    /// How many leading full blocks of the prompt the GPU prefix cache holds now (read-only; a
-    /// hit never covers the last token).
+    /// How many leading full blocks of the prompt the GPU prefix cache can serve now
+    /// (read-only; a hit never covers the last token). With windowed attention, a prefix is
+    /// served when the blocks its next query reads are cached.
     pub fn cached_prefix_blocks(&self, tokens: &[Token], salt: Option<&[u8]>) -> usize {
         if tokens.is_empty() || tokens.len() > MAX_TOKENS {
             return 0;
@@ -157,7 +216,7 @@ impl BlockManager {
             .prefix
             .as_ref()
             .ok_or_else(|| invalid("block hashes need prefix caching"))?;
-        let mut parent = prefix.root(salt);
+        let mut parent = prefix.root(salt, self.group);
         Ok(tokens
             .chunks_exact(self.bs.get())
             .map(|block| {
@@ -170,7 +229,7 @@ impl BlockManager {
     /// A 64-bit fingerprint of the hash key (`None` without prefix caching): managers with the
     /// same fingerprint, block size and salt produce the same block hashes.
     pub fn hash_key_fingerprint(&self) -> Option<u64> {
-        self.prefix.as_ref().map(PrefixCache::fingerprint)
+        self.prefix.as_deref().map(PrefixCache::fingerprint)
     }
 
     /// The hashes of the computed full blocks `medium` holds: registered in the GPU prefix
@@ -179,7 +238,7 @@ impl BlockManager {
     pub fn stored_hashes(&self, medium: PoolKind) -> Vec<BlockHash> {
         match (medium, &self.prefix) {
             (_, None) => Vec::new(),
-            (PoolKind::Gpu, Some(prefix)) => prefix.hashes(),
+            (PoolKind::Gpu, Some(prefix)) => prefix.hashes(self.group),
             (PoolKind::Cpu, Some(_)) => self.cpu_tier.hashes(),
         }
     }
@@ -203,15 +262,22 @@ impl BlockManager {
             .clear(|| self.events.record(|| EventKind::AllBlocksCleared));
     }
 
-    /// The verified hits of a prompt's leading full blocks (never covering the last token) and
-    /// how many of them are CACHED. Read-only.
+    /// The prompt's hit in blocks and the blocks admitting it would take. Read-only.
     fn count_hits(&self, tokens: &[Token], salt: Option<&[u8]>) -> (usize, usize) {
-        match &self.prefix {
-            Some(prefix) => {
-                let hittable = self.bs.index(tokens.len() - 1);
-                prefix.count_hits(&self.gpu, tokens, salt, hittable)
+        let pages = self.bs.pages(tokens.len());
+        let hittable = self.bs.index(tokens.len() - 1);
+        match (&self.prefix, self.config.attention) {
+            (None, _) => (0, pages),
+            (Some(prefix), Attention::Full) => {
+                let (hits, cached) =
+                    prefix.count_hits(&self.gpu, tokens, salt, self.group, hittable);
+                (hits, pages - hits + cached)
             }
-            None => (0, 0),
+            (Some(_), _) => {
+                let mut prompt = self.hash_prompt(tokens, salt);
+                let hit = self.find_hits(&mut prompt, tokens, hittable);
+                (hit, self.admission_needs(tokens, &prompt))
+            }
         }
     }
 }

@@ -46,6 +46,8 @@ impl BlockManager {
             p.registered,
         );
         copy.shared_tail = true;
+        copy.first = p.first;
+        copy.prompt_len = p.prompt_len;
         for &block in &copy.table {
             self.gpu.share_held(block);
         }

@@ -155,12 +155,14 @@ impl BlockManager {
             return;
         }
         self.hash_blocks(prefix, s, upto);
-        let (from, bs) = (s.registered, self.bs.get());
+        // Blocks that left the attention window before their KV was computed were released
+        // unregistered.
+        let (from, bs) = (s.registered.max(s.first), self.bs.get());
         let mut parent = s.parent_key(from);
         for i in from..upto {
-            let (block, key, chain) = (s.table[i], s.keys[i], &s.hashes[i]);
+            let (block, key, chain) = (s.block(i), s.keys[i], &s.hashes[i]);
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            prefix.register(block, key, parent, chain, tokens, || {
+            prefix.register(block, key, parent, chain, tokens, self.group, || {
                 self.publish(s, i, block, chain, tokens);
             });
             parent = key;
@@ -172,6 +174,9 @@ impl BlockManager {
     /// is written: flags it hashed and records its stored event.
     fn publish(&self, s: &Sequence, i: usize, block: BlockId, chain: &Chain, tokens: &[Token]) {
         self.gpu.mark_hashed(block);
+        if self.group != 0 {
+            return;
+        }
         self.events.record(|| EventKind::BlockStored {
             block_hash: block_hash_of(chain),
             parent_hash: s.parent_hash(i),

@@ -4,7 +4,7 @@
 use crate::batch::Batch;
 use crate::error::invalid;
 use crate::manager::{not_loading, one_each, visit, BlockManager};
-use crate::sequence::Sequence;
+use crate::sequence::{LockedBatch, Place, Sequence};
 use crate::stats::Counters;
 use crate::{Error, SeqId};
 
@@ -37,28 +37,8 @@ impl BlockManager {
         counts: &[usize],
         mut rolled: impl FnMut(usize, &Sequence, u64),
     ) -> Result<(), Error> {
-        one_each("rollback", seqs.len(), counts.len(), "counts")?;
-        let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
-        let mut places = Vec::with_capacity(seqs.len());
-        for (&id, &count) in seqs.iter().zip(counts) {
-            let place = visit(&mut batch, id, stamp, false)?;
-            let s = batch.at(place);
-            not_loading(id, s)?;
-            if s.swap_source.is_some() {
-                return Err(invalid(format!(
-                    "sequence {id}: confirm its swap-in before rolling it back"
-                )));
-            }
-            let (len, uncommitted) = (s.tokens.len(), s.tokens.len() - s.computed);
-            if count > uncommitted || count == len {
-                return Err(invalid(format!(
-                    "sequence {id}: cannot roll back {count} of its {len} tokens: only its last \
-                     {uncommitted} are not committed, and a sequence keeps at least one token"
-                )));
-            }
-            places.push(place);
-        }
+        let places = self.check_rolled_back(&mut batch, seqs, counts)?;
         let mut unstored = 0;
         for (i, (&place, &count)) in places.iter().zip(counts).enumerate() {
             let s = batch.at(place);
@@ -73,6 +53,50 @@ impl BlockManager {
         Ok(())
     }
 
+    /// Fails unless `rollback(seqs, counts)` can run. Changes nothing.
+    pub(super) fn check_rollback(&self, seqs: &[SeqId], counts: &[usize]) -> Result<(), Error> {
+        let mut batch = self.seqs.lock(seqs);
+        self.check_rolled_back(&mut batch, seqs, counts).map(|_| ())
+    }
+
+    /// Checks a rollback of the locked `seqs`; returns where they are.
+    fn check_rolled_back(
+        &self,
+        batch: &mut LockedBatch<'_>,
+        seqs: &[SeqId],
+        counts: &[usize],
+    ) -> Result<Vec<Place>, Error> {
+        one_each("rollback", seqs.len(), counts.len(), "counts")?;
+        let stamp = self.next_stamp();
+        let mut places = Vec::with_capacity(seqs.len());
+        for (&id, &count) in seqs.iter().zip(counts) {
+            let place = visit(batch, id, stamp, false)?;
+            let s = batch.at(place);
+            not_loading(id, s)?;
+            if s.swap_source.is_some() {
+                return Err(invalid(format!(
+                    "sequence {id}: confirm its swap-in before rolling it back"
+                )));
+            }
+            let (len, uncommitted) = (s.tokens.len(), s.tokens.len() - s.computed);
+            if count > uncommitted || count == len {
+                return Err(invalid(format!(
+                    "sequence {id}: cannot roll back {count} of its {len} tokens: only its last \
+                     {uncommitted} are not committed, and a sequence keeps at least one token"
+                )));
+            }
+            let attention = self.config.attention;
+            if self.bs.index(attention.first_key(len - count)) < s.first {
+                return Err(invalid(format!(
+                    "sequence {id}: cannot roll back {count} tokens: its next query would read \
+                     blocks that left the attention window"
+                )));
+            }
+            places.push(place);
+        }
+        Ok(places)
+    }
+
     /// Drops the last `count` tokens of `s` (all uncommitted): blocks past its new length are
     /// released, last first, and the table gets a new version if it lost any (a block pushed
     /// later may differ from the one dropped). Returns the tokens dropped from the block it
@@ -81,10 +105,10 @@ impl BlockManager {
         let (old, len) = (s.tokens.len(), s.tokens.len() - count);
         let pages = self.bs.pages(len);
         // Held by `s` alone: a block that holds an uncommitted token has one holder.
-        self.release_gpu_blocks(&s.table, pages, old);
+        self.release_gpu_blocks(&s.table, s.first, pages, old);
         s.tokens.truncate(len);
-        if pages < s.table.len() {
-            s.table.truncate(pages);
+        if pages - s.first < s.table.len() {
+            s.table.truncate(pages - s.first);
             s.table_changed();
         }
         let full = self.bs.index(len);

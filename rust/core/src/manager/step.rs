@@ -9,7 +9,7 @@ use crate::manager::{
     check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager, Taken,
 };
 use crate::plan::Plan;
-use crate::sequence::{PendingCopy, Place, Sequence};
+use crate::sequence::{LockedBatch, PendingCopy, Place, Sequence};
 use crate::stats::Counters;
 use crate::{Error, SeqId, Token};
 
@@ -17,17 +17,8 @@ impl BlockManager {
     /// Appends tokens to a running sequence, copying a shared last block on write. The tokens'
     /// KV is pending until a plan computes it; the copy comes back with that plan.
     pub fn append(&self, seq: SeqId, tokens: &[Token]) -> Result<(), Error> {
-        if tokens.is_empty() {
-            return Err(invalid("append needs at least one token"));
-        }
         let mut one = self.seqs.lock_one(seq);
-        let s = one.get().ok_or(Error::UnknownSequence(seq))?;
-        if s.swapped {
-            return Err(Error::SwappedOut(seq));
-        }
-        not_loading(seq, s)?;
-        check_room(s.tokens.len(), tokens.len())?;
-        self.count_computed(self.auto_commit(s));
+        let s = self.check_append(one.get(), seq, tokens)?;
         let needed = self.blocks_to_append(s, tokens.len());
         self.reserve_gpu(needed)?;
         let mut taken = Taken::default();
@@ -36,6 +27,34 @@ impl BlockManager {
         self.gpu.add_stored(tokens.len());
         Counters::add(&self.counters.pending_tokens, tokens.len() as u64);
         Ok(())
+    }
+
+    /// The blocks `append(seq, tokens)` would take (after the sequence's auto-commit), or why
+    /// it would fail.
+    pub(super) fn append_needs(&self, seq: SeqId, tokens: &[Token]) -> Result<usize, Error> {
+        let mut one = self.seqs.lock_one(seq);
+        let s = self.check_append(one.get(), seq, tokens)?;
+        Ok(self.blocks_to_append(s, tokens.len()))
+    }
+
+    /// Checks an append of `tokens` to `seq` (found as `s`), then auto-commits the sequence.
+    fn check_append<'s>(
+        &self,
+        s: Option<&'s mut Sequence>,
+        seq: SeqId,
+        tokens: &[Token],
+    ) -> Result<&'s mut Sequence, Error> {
+        if tokens.is_empty() {
+            return Err(invalid("append needs at least one token"));
+        }
+        let s = s.ok_or(Error::UnknownSequence(seq))?;
+        if s.swapped {
+            return Err(Error::SwappedOut(seq));
+        }
+        not_loading(seq, s)?;
+        check_room(s.tokens.len(), tokens.len())?;
+        self.count_computed(self.auto_commit(s));
+        Ok(s)
     }
 
     /// One decode step: appends `tokens[i]` to `seqs[i]` for the whole batch (all or nothing),
@@ -92,6 +111,20 @@ impl BlockManager {
         tokens: &[Token],
         counts: Option<&[u32]>,
     ) -> Result<(), Error> {
+        let mut prepared = self.prepare_decode(rows, tokens, counts)?;
+        self.reserve_gpu(prepared.needed)?;
+        self.apply_decode(&mut prepared, rows, tokens, counts);
+        Ok(())
+    }
+
+    /// The first pass of a decode step: locks and checks every row and counts the blocks the
+    /// step takes (none taken yet).
+    pub(super) fn prepare_decode<R: DecodeRows>(
+        &self,
+        rows: &mut R,
+        tokens: &[Token],
+        counts: Option<&[u32]>,
+    ) -> Result<Prepared<'_>, Error> {
         let n = rows.seqs().len();
         match counts {
             None => one_each(R::CALL, n, tokens.len(), "tokens")?,
@@ -111,7 +144,7 @@ impl BlockManager {
             no_gap(id, s, s.tokens.len())?;
             copying |= !s.copying.is_empty();
             needed += self.blocks_to_append(s, more);
-            widest = widest.max(self.bs.pages(s.tokens.len() + more));
+            widest = widest.max(self.bs.pages(s.tokens.len() + more) - s.first);
         }
         // Completing a copy releases its source, which may be another row's tail that then
         // needs no copy-on-write: the blocks are counted again after those commits.
@@ -127,30 +160,55 @@ impl BlockManager {
                 .sum();
         }
         rows.fit(widest)?;
-        self.reserve_gpu(needed)?;
+        Ok(Prepared { batch, needed })
+    }
+
+    /// The second pass of a decode step, once `prepared.needed` blocks are reserved.
+    pub(super) fn apply_decode<R: DecodeRows>(
+        &self,
+        prepared: &mut Prepared<'_>,
+        rows: &mut R,
+        tokens: &[Token],
+        counts: Option<&[u32]>,
+    ) {
+        let count = |row: usize| counts.map_or(1, |counts| counts[row] as usize);
+        let batch = &mut prepared.batch;
         rows.begin(tokens.len(), self.bs);
+        rows.plan().attention = self.config.attention;
         let (mut taken, mut computed, mut next) = (Taken::default(), 0, 0);
-        for row in 0..n {
+        for row in 0..rows.seqs().len() {
             let s = batch.at(rows.place(row));
             computed += self.auto_commit(s);
+            let start = s.tokens.len();
             let appended = &tokens[next..next + count(row)];
             next += appended.len();
             self.append_reserved(s, appended, &mut taken);
+            self.release_behind(s, start);
             rows.push(row, s, appended.len(), self.bs);
             hand_over_copies(s, rows.plan());
         }
         self.count_computed(computed);
-        self.finish_taking(needed, taken);
+        self.finish_taking(prepared.needed, taken);
         self.gpu.add_stored(tokens.len());
         Counters::add(&self.counters.pending_tokens, tokens.len() as u64);
-        Ok(())
     }
 
     fn fill_plan(&self, seqs: &[SeqId], query_lens: &[u32], plan: &mut Plan) -> Result<(), Error> {
+        let mut prepared = self.prepare_plan(seqs, query_lens)?;
+        self.apply_plan(&mut prepared, query_lens, plan);
+        Ok(())
+    }
+
+    /// The first pass of `plan`: locks and checks every sequence (nothing changed yet).
+    pub(super) fn prepare_plan(
+        &self,
+        seqs: &[SeqId],
+        query_lens: &[u32],
+    ) -> Result<PreparedPlan<'_>, Error> {
         one_each("plan", seqs.len(), query_lens.len(), "query lengths")?;
         let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
-        let (mut nnz, mut num_query_tokens) = (0, 0);
+        let (mut nnz, mut queries) = (0, 0);
         let mut places: Vec<Place> = Vec::with_capacity(seqs.len());
         for (&id, &q) in seqs.iter().zip(query_lens) {
             let place = visit(&mut batch, id, stamp, false)?;
@@ -163,20 +221,49 @@ impl BlockManager {
                     "query length {q} of sequence {id} must be in 1..={len}"
                 )));
             }
-            no_gap(id, s, len - q as usize)?;
-            nnz += self.bs.pages(len);
-            num_query_tokens += q as usize;
+            let start = len - q as usize;
+            no_gap(id, s, start)?;
+            if self.bs.index(self.config.attention.first_key(start)) < s.first {
+                return Err(invalid(format!(
+                    "sequence {id}: its queries from position {start} read blocks that left the \
+                     attention window"
+                )));
+            }
+            nnz += self.bs.pages(len) - s.first;
+            queries += q as usize;
         }
-        plan.begin(seqs.len(), nnz, num_query_tokens, self.bs);
+        Ok(PreparedPlan {
+            batch,
+            places,
+            nnz,
+            queries,
+        })
+    }
+
+    /// The second pass of `plan`: writes every sequence's inputs.
+    pub(super) fn apply_plan(
+        &self,
+        prepared: &mut PreparedPlan<'_>,
+        query_lens: &[u32],
+        plan: &mut Plan,
+    ) {
+        plan.begin(
+            prepared.places.len(),
+            prepared.nnz,
+            prepared.queries,
+            self.bs,
+        );
+        plan.attention = self.config.attention;
         let mut computed = 0;
-        for (&place, &q) in places.iter().zip(query_lens) {
-            let s = batch.at(place);
+        for (&place, &q) in prepared.places.iter().zip(query_lens) {
+            let s = prepared.batch.at(place);
             computed += self.auto_commit(s);
-            plan.push(&s.table, s.tokens.len(), q as usize, self.bs);
+            let start = s.tokens.len() - q as usize;
+            self.release_behind(s, start);
+            plan.push(&s.table, s.first, s.tokens.len(), q as usize, self.bs);
             hand_over_copies(s, plan);
         }
         self.count_computed(computed);
-        Ok(())
     }
 
     /// Blocks an append of `count` tokens takes: a copy-on-write of a shared partial last
@@ -184,7 +271,9 @@ impl BlockManager {
     #[inline(always)]
     fn blocks_to_append(&self, s: &Sequence, count: usize) -> usize {
         let bs = self.bs;
-        usize::from(self.must_copy_tail(s)) + bs.pages(s.tokens.len() + count) - s.table.len()
+        usize::from(self.must_copy_tail(s)) + bs.pages(s.tokens.len() + count)
+            - s.first
+            - s.table.len()
     }
 
     /// Whether the last block is partial and shared (by another sequence, or as the source of
@@ -216,7 +305,7 @@ impl BlockManager {
         for &token in tokens {
             s.tokens.push(token);
         }
-        let pages = self.bs.pages(s.tokens.len());
+        let pages = self.bs.pages(s.tokens.len()) - s.first;
         while s.table.len() < pages {
             s.table.push(self.take(taken));
         }
@@ -239,6 +328,20 @@ impl BlockManager {
         s.table_changed();
         self.gpu.add_stored(fill as usize);
     }
+}
+
+/// A decode step after its first pass: the rows' locked shards and the blocks it takes.
+pub(super) struct Prepared<'a> {
+    batch: LockedBatch<'a>,
+    pub(super) needed: usize,
+}
+
+/// A plan after its first pass: the sequences' locked shards and where they are.
+pub(super) struct PreparedPlan<'a> {
+    batch: LockedBatch<'a>,
+    places: Vec<Place>,
+    nnz: usize,
+    queries: usize,
 }
 
 /// Fails unless a verify step got one count per row, each at least 1, adding up to its tokens.
@@ -274,7 +377,7 @@ fn hand_over_copies(s: &mut Sequence, plan: &mut Plan) {
 }
 
 /// The rows of a decode step and where their inputs go: a one-shot [`Plan`] or a [`Batch`].
-trait DecodeRows {
+pub(crate) trait DecodeRows {
     /// The operation's name, for errors.
     const CALL: &'static str;
     /// The sequence of each row.
@@ -299,10 +402,10 @@ trait DecodeRows {
 }
 
 /// A list of sequences with a one-shot plan: the whole CSR is written each step.
-struct Listed<'a> {
-    seqs: &'a [SeqId],
-    places: Vec<Option<Place>>,
-    plan: &'a mut Plan,
+pub(super) struct Listed<'a> {
+    pub(super) seqs: &'a [SeqId],
+    pub(super) places: Vec<Option<Place>>,
+    pub(super) plan: &'a mut Plan,
 }
 
 impl DecodeRows for Listed<'_> {
@@ -324,7 +427,7 @@ impl DecodeRows for Listed<'_> {
         self.plan.begin(n, n, queries, bs);
     }
     fn push(&mut self, _row: usize, s: &Sequence, q: usize, bs: BlockSize) {
-        self.plan.push(&s.table, s.tokens.len(), q, bs);
+        self.plan.push(&s.table, s.first, s.tokens.len(), q, bs);
     }
     fn plan(&mut self) -> &mut Plan {
         self.plan
@@ -352,7 +455,16 @@ impl DecodeRows for Batch {
     }
     #[inline(always)]
     fn push(&mut self, row: usize, s: &Sequence, q: usize, bs: BlockSize) {
-        Batch::push(self, row, &s.table, s.version, s.tokens.len(), q, bs);
+        Batch::push(
+            self,
+            row,
+            &s.table,
+            s.first,
+            s.version,
+            s.tokens.len(),
+            q,
+            bs,
+        );
     }
     fn plan(&mut self) -> &mut Plan {
         &mut self.inputs

@@ -7,7 +7,7 @@ use crate::error::invalid;
 use crate::events::EventKind;
 use crate::manager::{not_loading, visit, BlockManager, Taken};
 use crate::prefix::block_hash_of;
-use crate::sequence::Sequence;
+use crate::sequence::{LockedBatch, Sequence};
 use crate::{BlockId, Error, PoolKind, SeqId};
 
 /// Which way a swap moves its sequences.
@@ -50,14 +50,14 @@ impl BlockManager {
         let Some(prefix) = &self.prefix else {
             return;
         };
-        if !self.events.enabled() {
+        if !self.publishes() {
             return;
         }
         let bs = self.bs.get();
         let full = self.bs.index(s.computed);
         self.hash_blocks(prefix, s, full);
-        for i in 0..full {
-            let (block, hash) = (s.table[i], block_hash_of(&s.hashes[i]));
+        for i in s.first..full {
+            let (block, hash) = (s.block(i), block_hash_of(&s.hashes[i]));
             self.cpu_tier.add(block, hash, || {
                 self.events.record(|| EventKind::BlockStored {
                     block_hash: hash,
@@ -74,32 +74,8 @@ impl BlockManager {
     /// blocks stay held until the swap is confirmed.
     fn swap(&self, seqs: &[SeqId], direction: Direction) -> Result<Vec<[BlockId; 2]>, Error> {
         let to_gpu = direction == Direction::In;
-        let stamp = self.next_stamp();
         let mut batch = self.seqs.lock(seqs);
-        // Distinct blocks in order of first appearance: a shared block is copied once.
-        let mut order: Vec<BlockId> = Vec::new();
-        let mut distinct = HashSet::new();
-        for &id in seqs {
-            let member = visit(&mut batch, id, stamp, to_gpu)?;
-            let s = batch.at(member);
-            if s.swap_source.is_some() {
-                let pending = if to_gpu { "swap-out" } else { "swap-in" };
-                return Err(invalid(format!(
-                    "sequence {id}: confirm its {pending} before swapping it again"
-                )));
-            }
-            if !to_gpu {
-                not_loading(id, s)?;
-                let in_flight =
-                    !self.config.auto_commit && (s.planned != s.computed || !s.copying.is_empty());
-                if in_flight || !s.copies.is_empty() {
-                    return Err(invalid(format!(
-                        "sequence {id}: plan and commit its pending work before swapping it out"
-                    )));
-                }
-            }
-            order.extend(s.table.iter().filter(|&&block| distinct.insert(block)));
-        }
+        let order = self.swap_order(&mut batch, seqs, direction)?;
         if !to_gpu {
             for &id in seqs {
                 self.count_computed(self.auto_commit(batch.get(id).expect("validated above")));
@@ -136,12 +112,13 @@ impl BlockManager {
             let s = batch.get(id).expect("validated above");
             let len = s.tokens.len();
             let source = s.table.clone();
-            for (i, block) in s.table.iter_mut().enumerate() {
+            let first = s.first;
+            for (j, block) in s.table.iter_mut().enumerate() {
                 let target = target_of[block];
                 if !referenced.insert(target) {
                     to.share_held(target);
                 } else if to_gpu {
-                    self.gpu.add_stored(self.bs.fill(i, len) as usize);
+                    self.gpu.add_stored(self.bs.fill(first + j, len) as usize);
                 }
                 *block = target;
             }
@@ -156,6 +133,53 @@ impl BlockManager {
             }
         }
         Ok(pairs)
+    }
+
+    /// Checks a swap of `seqs` and lists the distinct blocks it copies. Changes nothing.
+    fn swap_order(
+        &self,
+        batch: &mut LockedBatch<'_>,
+        seqs: &[SeqId],
+        direction: Direction,
+    ) -> Result<Vec<BlockId>, Error> {
+        let to_gpu = direction == Direction::In;
+        let stamp = self.next_stamp();
+        // Distinct blocks in order of first appearance: a shared block is copied once.
+        let mut order: Vec<BlockId> = Vec::new();
+        let mut distinct = HashSet::new();
+        for &id in seqs {
+            let member = visit(batch, id, stamp, to_gpu)?;
+            let s = batch.at(member);
+            if s.swap_source.is_some() {
+                let pending = if to_gpu { "swap-out" } else { "swap-in" };
+                return Err(invalid(format!(
+                    "sequence {id}: confirm its {pending} before swapping it again"
+                )));
+            }
+            if !to_gpu {
+                not_loading(id, s)?;
+                let in_flight =
+                    !self.config.auto_commit && (s.planned != s.computed || !s.copying.is_empty());
+                if in_flight || !s.copies.is_empty() {
+                    return Err(invalid(format!(
+                        "sequence {id}: plan and commit its pending work before swapping it out"
+                    )));
+                }
+            }
+            order.extend(s.table.iter().filter(|&&block| distinct.insert(block)));
+        }
+        Ok(order)
+    }
+
+    /// Blocks of the other pool a swap of `seqs` would take (an error if it cannot run).
+    pub(super) fn swap_needs(&self, seqs: &[SeqId], to_gpu: bool) -> Result<usize, Error> {
+        let direction = if to_gpu {
+            Direction::In
+        } else {
+            Direction::Out
+        };
+        let mut batch = self.seqs.lock(seqs);
+        Ok(self.swap_order(&mut batch, seqs, direction)?.len())
     }
 
     /// `confirm_swap_out` and `confirm_swap_in`.
@@ -177,7 +201,7 @@ impl BlockManager {
                 self.release_cpu_blocks(&source);
                 self.commit_to(s, s.computed);
             } else {
-                self.release_gpu_blocks(&source, 0, s.tokens.len());
+                self.release_gpu_blocks(&source, s.first, s.first, s.tokens.len());
                 self.announce_cpu(s);
             }
         }

@@ -4,14 +4,14 @@ use super::*;
 fn hashes_chain_and_depend_on_key_and_salt() {
     let a = PrefixCache::new([1; 32], 4, 4).unwrap();
     let b = PrefixCache::new([2; 32], 4, 4).unwrap();
-    let root = a.root(None);
-    assert_ne!(root, a.root(Some(b"tenant")));
-    assert_ne!(a.root(Some(b"")), root);
+    let root = a.root(None, 0);
+    assert_ne!(root, a.root(Some(b"tenant"), 0));
+    assert_ne!(a.root(Some(b""), 0), root);
     let h = a.hash_block(&root, &[1, 2, 3, 4]);
     assert_eq!(h, a.hash_block(&root, &[1, 2, 3, 4]));
     assert_ne!(h, a.hash_block(&root, &[1, 2, 3, 5]));
     assert_ne!(h, a.hash_block(&h, &[1, 2, 3, 4]));
-    assert_ne!(h, b.hash_block(&b.root(None), &[1, 2, 3, 4]));
+    assert_ne!(h, b.hash_block(&b.root(None, 0), &[1, 2, 3, 4]));
 }
 
 #[test]
@@ -19,13 +19,13 @@ fn map_keys_chain_and_depend_on_key_and_salt() {
     let a = PrefixCache::new([1; 32], 4, 4).unwrap();
     let b = PrefixCache::new([2; 32], 4, 4).unwrap();
     let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
-    let keys = |c: &PrefixCache, salt: Option<&[u8]>| c.hash_prompt(&tokens, salt).keys;
+    let keys = |c: &PrefixCache, salt: Option<&[u8]>| c.hash_prompt(&tokens, salt, 0).keys;
     let k = keys(&a, None);
     assert_eq!(k.len(), 2);
     assert_eq!(k, keys(&a, None));
-    assert_eq!(k[0], a.key_block(root_key(&a.root(None)), &tokens[..4]));
+    assert_eq!(k[0], a.key_block(root_key(&a.root(None, 0)), &tokens[..4]));
     assert_eq!(k[1], a.key_block(k[0], &tokens[4..]));
-    assert_ne!(k[0], a.key_block(root_key(&a.root(None)), &tokens[4..]));
+    assert_ne!(k[0], a.key_block(root_key(&a.root(None, 0)), &tokens[4..]));
     assert_ne!(k, keys(&a, Some(b"tenant")));
     assert_ne!(k, keys(&b, None));
 }
@@ -36,7 +36,7 @@ fn long_blocks_hash_all_tokens() {
     let tokens: Vec<u32> = (0..200).collect();
     let mut other = tokens.clone();
     other[199] = 7;
-    let root = c.root(None);
+    let root = c.root(None, 0);
     assert_ne!(c.hash_block(&root, &tokens), c.hash_block(&root, &other));
     assert_ne!(c.key_block(0, &tokens), c.key_block(0, &other));
 }
@@ -63,9 +63,9 @@ fn registrations_store_every_token() {
     for bs in [1, 3, 15, 16, 17, 32] {
         let c = PrefixCache::new([0; 32], 2, bs).unwrap();
         let tokens: Vec<Token> = (0..bs as Token).map(|t| t * 7 + 1).collect();
-        let chain = c.hash_block(&c.root(None), &tokens);
-        let k = c.key_block(root_key(&c.root(None)), &tokens);
-        c.register(1, k, 5, &chain, &tokens, || {});
+        let chain = c.hash_block(&c.root(None, 0), &tokens);
+        let k = c.key_block(root_key(&c.root(None, 0)), &tokens);
+        c.register(1, k, 5, &chain, &tokens, 0, || {});
         assert!(c.matches(1, k, 5, &tokens), "{bs} tokens");
         for i in 0..tokens.len() {
             let mut other = tokens.clone();
@@ -81,14 +81,14 @@ fn registrations_store_every_token() {
 #[test]
 fn register_verify_unregister() {
     let c = PrefixCache::new([0; 32], 2, 2).unwrap();
-    let chain = c.hash_block(&c.root(None), &[1, 2]);
-    let k = c.key_block(root_key(&c.root(None)), &[1, 2]);
-    c.register(1, k, 5, &chain, &[1, 2], || {});
-    c.register(0, k, 5, &chain, &[1, 2], || panic!("already mapped"));
+    let chain = c.hash_block(&c.root(None, 0), &[1, 2]);
+    let k = c.key_block(root_key(&c.root(None, 0)), &[1, 2]);
+    c.register(1, k, 5, &chain, &[1, 2], 0, || {});
+    c.register(0, k, 5, &chain, &[1, 2], 0, || panic!("already mapped"));
     assert_eq!(c.get(k), Some(1));
     assert_eq!((c.key_of(1), c.chain_of(1)), (k, chain));
     assert_eq!(c.hash_of(1), block_hash_of(&chain));
-    assert_eq!(c.hashes(), vec![block_hash_of(&chain)]);
+    assert_eq!(c.hashes(0), vec![block_hash_of(&chain)]);
     assert!(c.matches(1, k, 5, &[1, 2]));
     assert!(!c.matches(1, k, 6, &[1, 2]));
     assert!(!c.matches(1, k, 5, &[1, 3]));
@@ -108,7 +108,7 @@ fn every_token_of_odd_and_long_blocks_is_verified() {
         let c = PrefixCache::new([0; 32], 3, bs).unwrap();
         let tokens: Vec<Token> = (0..bs).map(|t| t * 7 + 1).collect();
         let k = c.key_block(0, &tokens);
-        c.register(2, k, 0, &[0; 32], &tokens, || {});
+        c.register(2, k, 0, &[0; 32], &tokens, 0, || {});
         assert!(c.matches(2, k, 0, &tokens));
         for i in 0..tokens.len() {
             let mut other = tokens.clone();
@@ -126,12 +126,12 @@ fn prompt_hashes_read_hits_and_compute_the_rest_once() {
     let pool = BlockPool::new(2).unwrap();
     let c = PrefixCache::new([3; 32], 2, 2).unwrap();
     let tokens = [1, 2, 3, 4, 5];
-    let root = c.root(None);
+    let root = c.root(None, 0);
     let chains = [
         c.hash_block(&root, &tokens[..2]),
         c.hash_block(&c.hash_block(&root, &tokens[..2]), &tokens[2..4]),
     ];
-    let mut prompt = c.hash_prompt(&tokens, None);
+    let mut prompt = c.hash_prompt(&tokens, None, 0);
     prompt.find_hits(&c, &pool, &tokens, 2);
     assert!(prompt.hits.is_empty());
     assert_eq!(prompt.chains, chains);
@@ -145,6 +145,7 @@ fn prompt_hashes_read_hits_and_compute_the_rest_once() {
         parent,
         &chains[0],
         &tokens[..2],
+        0,
         || pool.mark_hashed(block),
     );
     prompt.find_hits(&c, &pool, &tokens, 2);
@@ -155,7 +156,7 @@ fn prompt_hashes_read_hits_and_compute_the_rest_once() {
     prompt.chains[1] = [9; 32]; // would be recomputed if the walk started elsewhere
     prompt.find_hits(&c, &pool, &tokens, 2);
     assert_eq!(prompt.chains[1], [9; 32]);
-    assert_eq!(c.count_hits(&pool, &tokens, None, 2), (1, 0));
-    assert_eq!(c.count_hits(&pool, &tokens, None, 0), (0, 0));
-    assert_eq!(c.count_hits(&pool, &tokens, Some(b"s"), 2), (0, 0));
+    assert_eq!(c.count_hits(&pool, &tokens, None, 0, 2), (1, 0));
+    assert_eq!(c.count_hits(&pool, &tokens, None, 0, 0), (0, 0));
+    assert_eq!(c.count_hits(&pool, &tokens, Some(b"s"), 0, 2), (0, 0));
 }
