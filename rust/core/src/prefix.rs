@@ -397,10 +397,12 @@ impl PrefixCache {
         block_hash_of(&self.chain_of(block))
     }
 
-    /// Registers `block` (held by the caller, full) under `key` unless the key is already
-    /// mapped (or, against all odds for keyed hashes, its region of the map is full); then
-    /// `publish` (flag the block, record the event) runs under the region's lock once the
-    /// contents are written, so a reset or an eviction of the same key is ordered with it.
+    /// Registers `block` (held by the caller, full) under `key` if `linked` (its parent is
+    /// registered, checked under the region's lock so a reset is ordered with it) and the key
+    /// is not mapped yet (nor, against all odds for keyed hashes, its region of the map full);
+    /// then `publish` (flag the block, record the event) runs under the lock once the contents
+    /// are written, so a reset or an eviction of the same key is ordered with it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn register(
         &self,
         block: BlockId,
@@ -408,9 +410,13 @@ impl PrefixCache {
         parent: MapKey,
         chain: &Chain,
         tokens: &[Token],
+        linked: impl FnOnce() -> bool,
         publish: impl FnOnce(),
     ) {
         let mut region = self.map.lock(key);
+        if !linked() {
+            return;
+        }
         let Some(vacancy) = region.vacancy(key, |block| self.key_of(block)) else {
             return;
         };

@@ -146,7 +146,8 @@ impl BlockManager {
     }
 
     /// Registers the sequence's full blocks `registered..upto` (all computed) in the prefix
-    /// cache, in logical order.
+    /// cache, in logical order; a block whose parent block is not registered (its key was
+    /// taken by another copy, or a reset withdrew it) is never registered.
     fn register_full(&self, s: &mut Sequence, upto: usize) {
         let Some(prefix) = &self.prefix else {
             return;
@@ -160,9 +161,11 @@ impl BlockManager {
         for i in from..upto {
             let (block, key, chain) = (s.table[i], s.keys[i], &s.hashes[i]);
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            prefix.register(block, key, parent, chain, tokens, || {
-                self.publish(s, i, block, chain, tokens);
-            });
+            // Only under the sequence's own registered block (SEMANTICS.md, "one tree"): it
+            // holds that block, so the parent outlives the child in the cache.
+            let linked = || i == 0 || self.gpu.state(s.table[i - 1]).hashed();
+            let publish = || self.publish(s, i, block, chain, tokens);
+            prefix.register(block, key, parent, chain, tokens, linked, publish);
             parent = key;
         }
         s.registered = upto;

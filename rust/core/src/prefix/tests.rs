@@ -65,7 +65,7 @@ fn registrations_store_every_token() {
         let tokens: Vec<Token> = (0..bs as Token).map(|t| t * 7 + 1).collect();
         let chain = c.hash_block(&c.root(None), &tokens);
         let k = c.key_block(root_key(&c.root(None)), &tokens);
-        c.register(1, k, 5, &chain, &tokens, || {});
+        c.register(1, k, 5, &chain, &tokens, || true, || {});
         assert!(c.matches(1, k, 5, &tokens), "{bs} tokens");
         for i in 0..tokens.len() {
             let mut other = tokens.clone();
@@ -83,8 +83,8 @@ fn register_verify_unregister() {
     let c = PrefixCache::new([0; 32], 2, 2).unwrap();
     let chain = c.hash_block(&c.root(None), &[1, 2]);
     let k = c.key_block(root_key(&c.root(None)), &[1, 2]);
-    c.register(1, k, 5, &chain, &[1, 2], || {});
-    c.register(0, k, 5, &chain, &[1, 2], || panic!("already mapped"));
+    c.register(1, k, 5, &chain, &[1, 2], || true, || {});
+    c.register(0, k, 5, &chain, &[1, 2], || true, || panic!("already mapped"));
     assert_eq!(c.get(k), Some(1));
     assert_eq!((c.key_of(1), c.chain_of(1)), (k, chain));
     assert_eq!(c.hash_of(1), block_hash_of(&chain));
@@ -108,7 +108,7 @@ fn every_token_of_odd_and_long_blocks_is_verified() {
         let c = PrefixCache::new([0; 32], 3, bs).unwrap();
         let tokens: Vec<Token> = (0..bs).map(|t| t * 7 + 1).collect();
         let k = c.key_block(0, &tokens);
-        c.register(2, k, 0, &[0; 32], &tokens, || {});
+        c.register(2, k, 0, &[0; 32], &tokens, || true, || {});
         assert!(c.matches(2, k, 0, &tokens));
         for i in 0..tokens.len() {
             let mut other = tokens.clone();
@@ -145,6 +145,7 @@ fn prompt_hashes_read_hits_and_compute_the_rest_once() {
         parent,
         &chains[0],
         &tokens[..2],
+        || true,
         || pool.mark_hashed(block),
     );
     prompt.find_hits(&c, &pool, &tokens, 2);
