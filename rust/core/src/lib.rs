@@ -74,6 +74,7 @@ mod prefix_map;
 mod sequence;
 mod stats;
 mod sync;
+mod wire;
 
 pub use batch::{Batch, TableUpdates};
 pub use config::Config;
@@ -85,6 +86,7 @@ pub use plan::Plan;
 pub use pool::bench as pool_bench;
 pub use prefix::BlockHash;
 pub use stats::Stats;
+pub use wire::{cache_salt, encode_batch, wire_hash, BatchHeader, Encoding};
 
 /// Physical block id, `0..num_blocks`.
 pub type BlockId = u32;

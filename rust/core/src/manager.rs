@@ -205,6 +205,14 @@ impl BlockManager {
         self.events.take()
     }
 
+    /// Takes the recorded events and appends them to `out` as one msgpack `EventBatch`
+    /// ([`crate::encode_batch`]); returns how many events it took.
+    pub fn take_event_batch(&self, header: &crate::BatchHeader, out: &mut Vec<u8>) -> usize {
+        let events = self.events.take();
+        crate::encode_batch(header, &events, out);
+        events.len()
+    }
+
     fn next_stamp(&self) -> u64 {
         self.stamps.fetch_add(1, Ordering::Relaxed) + 1
     }

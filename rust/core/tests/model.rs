@@ -1889,6 +1889,7 @@ impl Harness {
                         token_ids,
                         block_id,
                         medium,
+                        salt: event_salt,
                     },
                     ModelEvent::Stored {
                         key,
@@ -1901,6 +1902,7 @@ impl Harness {
                     prop_assert_eq!((block_id, medium), (m_block, m_medium), "stored where");
                     self.binding.bind(key, *block_hash)?;
                     let (salt, prefix) = key;
+                    prop_assert_eq!(event_salt.as_deref(), salt.as_deref(), "the event's salt");
                     if prefix.len() > bs {
                         let parent = (salt.clone(), prefix[..prefix.len() - bs].to_vec());
                         let Some(parent_hash) = parent_hash else {

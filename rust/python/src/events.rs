@@ -4,7 +4,8 @@ use pyo3::prelude::*;
 
 use pagedkv as core;
 
-/// One change of a tier: kind "stored", "removed" or "cleared"; medium "GPU" or "CPU".
+/// One change of a tier: kind "stored", "removed" or "cleared"; medium "GPU" or "CPU";
+/// `cache_salt`, a stored block's salt in its wire form.
 #[pyclass(frozen, get_all, module = "pagedkv._core")]
 pub(crate) struct Event {
     kind: &'static str,
@@ -14,6 +15,7 @@ pub(crate) struct Event {
     token_ids: Vec<u32>,
     block_id: Option<u32>,
     medium: &'static str,
+    cache_salt: Option<String>,
 }
 
 /// How events name a pool.
@@ -26,6 +28,7 @@ fn medium(pool: core::PoolKind) -> &'static str {
 
 impl From<core::Event> for Event {
     fn from(event: core::Event) -> Event {
+        let mut cache_salt = None;
         let (kind, block_hash, parent_hash, token_ids, block_id, medium) = match event.kind {
             core::EventKind::BlockStored {
                 block_hash,
@@ -33,14 +36,18 @@ impl From<core::Event> for Event {
                 token_ids,
                 block_id,
                 medium: pool,
-            } => (
-                "stored",
-                Some(block_hash),
-                parent_hash,
-                token_ids,
-                Some(block_id),
-                medium(pool),
-            ),
+                salt,
+            } => {
+                cache_salt = salt.as_deref().map(core::cache_salt);
+                (
+                    "stored",
+                    Some(block_hash),
+                    parent_hash,
+                    token_ids,
+                    Some(block_id),
+                    medium(pool),
+                )
+            }
             core::EventKind::BlockRemoved {
                 block_hash,
                 block_id,
@@ -63,6 +70,7 @@ impl From<core::Event> for Event {
             token_ids,
             block_id,
             medium,
+            cache_salt,
         }
     }
 }
@@ -72,14 +80,15 @@ impl Event {
     fn __repr__(&self) -> String {
         format!(
             "Event(kind={:?}, seq_no={}, medium={:?}, block_id={:?}, block_hash={:?}, \
-             parent_hash={:?}, token_ids={:?})",
+             parent_hash={:?}, token_ids={:?}, cache_salt={:?})",
             self.kind,
             self.seq_no,
             self.medium,
             self.block_id,
             self.block_hash,
             self.parent_hash,
-            self.token_ids
+            self.token_ids,
+            self.cache_salt
         )
     }
 }

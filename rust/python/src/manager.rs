@@ -4,6 +4,7 @@
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use pagedkv as core;
 
@@ -436,6 +437,47 @@ impl BlockManager {
             .into_iter()
             .map(Event::from)
             .collect()
+    }
+
+    /// Takes the events since the last take as one encoded msgpack `EventBatch` (the bytes a
+    /// KV event publisher sends), or None when there are none and `cleared_first` is false.
+    #[pyo3(signature = (ts, *, encoding = "map", data_parallel_rank = None, cleared_first = false))]
+    fn take_event_batch<'py>(
+        &self,
+        py: Python<'py>,
+        ts: f64,
+        encoding: &str,
+        data_parallel_rank: Option<i64>,
+        cleared_first: bool,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let encoding = match encoding {
+            "map" => core::Encoding::Map,
+            "array" => core::Encoding::Array,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "encoding must be 'map' or 'array', got {encoding:?}"
+                )))
+            }
+        };
+        let data_parallel_rank = data_parallel_rank
+            .map(|rank| {
+                u32::try_from(rank).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "data_parallel_rank must be in 0..2**32, got {rank}"
+                    ))
+                })
+            })
+            .transpose()?;
+        let header = core::BatchHeader {
+            ts,
+            data_parallel_rank,
+            block_size: self.inner.config().block_size,
+            encoding,
+            cleared_first,
+        };
+        let mut out = Vec::new();
+        let taken = py.detach(|| self.inner.take_event_batch(&header, &mut out));
+        Ok((taken > 0 || cleared_first).then(|| PyBytes::new(py, &out)))
     }
 
     /// Drops every prefix-cache registration; cached blocks become free.

@@ -1,6 +1,8 @@
 //! Admission and the prefix cache: `allocate` (and `allocate_loading`) reuse the cached full
 //! blocks of a prompt's prefix; read-only lookups, block hashes and the cache's reset.
 
+use std::sync::Arc;
+
 use crate::error::invalid;
 use crate::events::EventKind;
 use crate::manager::{check_room, BlockManager, Taken, MAX_TOKENS};
@@ -109,6 +111,9 @@ impl BlockManager {
         );
         if loads > 0 {
             sequence.loading = Some((hit_blocks, loads));
+        }
+        if self.events.enabled() {
+            sequence.salt = salt.map(Arc::from);
         }
         if loadable.is_some() {
             Counters::add(

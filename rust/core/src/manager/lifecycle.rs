@@ -181,6 +181,7 @@ impl BlockManager {
             token_ids: tokens.to_vec(),
             block_id: block,
             medium: PoolKind::Gpu,
+            salt: s.salt.clone(),
         });
     }
 }

@@ -65,6 +65,7 @@ impl BlockManager {
                     token_ids: s.tokens[i * bs..(i + 1) * bs].to_vec(),
                     block_id: block,
                     medium: PoolKind::Cpu,
+                    salt: s.salt.clone(),
                 })
             });
         }
