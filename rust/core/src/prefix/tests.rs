@@ -84,7 +84,15 @@ fn register_verify_unregister() {
     let chain = c.hash_block(&c.root(None), &[1, 2]);
     let k = c.key_block(root_key(&c.root(None)), &[1, 2]);
     c.register(1, k, 5, &chain, &[1, 2], || true, || {});
-    c.register(0, k, 5, &chain, &[1, 2], || true, || panic!("already mapped"));
+    c.register(
+        0,
+        k,
+        5,
+        &chain,
+        &[1, 2],
+        || true,
+        || panic!("already mapped"),
+    );
     assert_eq!(c.get(k), Some(1));
     assert_eq!((c.key_of(1), c.chain_of(1)), (k, chain));
     assert_eq!(c.hash_of(1), block_hash_of(&chain));
