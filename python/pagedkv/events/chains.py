@@ -3,7 +3,7 @@
 `BlockManager.take_events()` reports one event per block. Routers take a chain of blocks per
 `BlockStored`: a run is a maximal sequence of consecutive stored events of one medium in which
 each event's parent is the previous event's block. Consecutive removals of one medium become
-one `BlockRemoved`.
+one `BlockRemoved`. `BlockManager.take_event_batch` groups and encodes the same way in Rust.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def to_wire(events: Iterable[CoreEvent], block_size: int) -> list[WireEvent]:
                         list(event.token_ids),
                         block_size,
                         event.medium,
+                        cache_salt=getattr(event, "cache_salt", None),
                     )
                 )
             run_tail = block

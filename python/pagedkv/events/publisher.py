@@ -1,8 +1,9 @@
 """`KVEventPublisher`: an engine's KV events, published over ZeroMQ in vLLM's format.
 
-Concurrency: the engine's thread only appends `(ts, events)` to a bounded queue (`publish`);
-one background thread owns both sockets, and it alone groups, encodes, numbers, sends, keeps
-the replay buffer and answers replay requests. A batch that finds the queue full is dropped
+Concurrency: the engine's thread only appends to a bounded queue: the batch the manager
+encoded in Rust without the GIL (`publish_from`), or `(ts, events)` to encode (`publish`). One
+background thread owns both sockets, and it alone encodes those, numbers, sends, keeps the
+replay buffer and answers replay requests. A batch that finds the queue full is dropped
 and counted, never waited for, and never gets a sequence number: the numbers on the wire stay
 gapless. The next batch after a drop starts with `AllBlocksCleared`, so the router's view of
 this engine is a subset of the truth (never stale) until the blocks are stored again.
@@ -43,7 +44,7 @@ def binds(endpoint: str) -> bool:
     )
 
 
-_Item = tuple[float, Sequence[CoreEvent], bool] | None
+_Item = bytes | tuple[float, Sequence[CoreEvent], bool] | None
 
 
 class KVEventPublisher:
@@ -126,14 +127,30 @@ class KVEventPublisher:
             raise ValueError("the manager records no events: build it with enable_events=True")
         return cls(endpoint, block_size=manager.block_size, **options)
 
-    def publish_from(self, manager: BlockManager) -> None:
-        """Publish the events `manager` recorded since the last take (call once per step)."""
+    def publish_from(self, manager: BlockManager) -> bool:
+        """Publish the events `manager` recorded since the last take (call once per step).
+
+        The manager groups and encodes them in Rust, without the GIL; this only enqueues the
+        bytes. Never blocks; a full queue drops the batch, as in `publish`. Returns whether
+        there was a batch (False: no events, nothing sent).
+        """
+        if self._closed:
+            raise RuntimeError("the publisher is closed")
         if manager.block_size != self.block_size:
             raise ValueError(
                 f"the manager's block size {manager.block_size} is not the publisher's "
                 f"{self.block_size}"
             )
-        self.publish(manager.take_events())
+        payload = manager.take_event_batch(
+            time.time(),
+            encoding=self.encoding,
+            data_parallel_rank=self.data_parallel_rank,
+            cleared_first=self._lost,
+        )
+        if payload is None:
+            return False
+        self._enqueue(payload)
+        return True
 
     def publish(self, events: Sequence[CoreEvent]) -> None:
         """Enqueue one step's events as one batch; never blocks. Empty steps publish nothing.
@@ -143,10 +160,12 @@ class KVEventPublisher:
         """
         if self._closed:
             raise RuntimeError("the publisher is closed")
-        if not events:
-            return
+        if events:
+            self._enqueue((time.time(), events, self._lost))
+
+    def _enqueue(self, item: _Item) -> None:
         try:
-            self._queue.put_nowait((time.time(), events, self._lost))
+            self._queue.put_nowait(item)
         except queue.Full:
             self._dropped += 1
             self._lost = True
@@ -227,23 +246,38 @@ class KVEventPublisher:
             if item is _STOP:
                 self._serve(poller)
                 return
-            ts, events, lost = item
-            resync = resync or lost
-            try:
-                wire = to_wire(events, self.block_size)
-                if resync:
-                    wire.insert(0, AllBlocksCleared())
-                payload = encode_batch(ts, wire, self.data_parallel_rank, self.encoding)
-            except Exception as exc:  # a bug of ours: keep the engine running, report on close
-                self._error = self._error or exc
-                self._failed += 1
+            if isinstance(item, bytes):  # encoded by the manager
+                # A batch of ours failed to encode: the router forgets first.
+                cleared = self._encode(time.time(), [], True) if resync else None
+                if cleared is not None:
+                    self._send(topic, cleared)
+                payload: bytes | None = item
+            else:
+                ts, events, lost = item
+                payload = self._encode(ts, events, resync or lost)
+            if payload is None:
                 resync = True
                 continue
             resync = False
-            seq = self._sent.to_bytes(8, "big")
-            self._pub.send_multipart([topic, seq, payload])
-            self._buffer.append(self._sent, payload)
-            self._sent += 1
+            self._send(topic, payload)
+
+    def _encode(self, ts: float, events: Sequence[CoreEvent], resync: bool) -> bytes | None:
+        """A batch of `events`, after `AllBlocksCleared` if `resync`; None if it failed."""
+        try:
+            wire = to_wire(events, self.block_size)
+            if resync:
+                wire.insert(0, AllBlocksCleared())
+            return encode_batch(ts, wire, self.data_parallel_rank, self.encoding)
+        except Exception as exc:  # a bug of ours: keep the engine running, report on close
+            self._error = self._error or exc
+            self._failed += 1
+            return None
+
+    def _send(self, topic: bytes, payload: bytes) -> None:
+        seq = self._sent.to_bytes(8, "big")
+        self._pub.send_multipart([topic, seq, payload])
+        self._buffer.append(self._sent, payload)
+        self._sent += 1
 
     def _serve(self, poller: zmq.Poller) -> None:
         """Take subscription messages and answer replay requests that are waiting."""
