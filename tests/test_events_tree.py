@@ -54,18 +54,20 @@ class RadixIndex:
             key: Key = (tuple(tokens[i * BS : (i + 1) * BS]), salt)
             siblings = self.roots if parent is None else self.nodes[parent].children
             assert h not in self.nodes, "a block stored twice"
+            assert key not in siblings, "two blocks the router cannot tell apart"
             siblings[key] = h
             self.nodes[h] = Node(parent, key)
             parent = h
 
     def remove(self, h: int) -> None:
-        node = self.nodes.pop(h, None)
+        node = self.nodes.get(h)
         if node is None:
             return
-        for child in list(node.children.values()):
-            self.remove(child)
         siblings = self.roots if node.parent is None else self.nodes[node.parent].children
         del siblings[node.key]
+        below = [h]
+        while below:
+            below.extend(self.nodes.pop(below.pop()).children.values())
 
     def match(self, tokens: list[int], salt: str | None) -> int:
         """Full blocks of `tokens` found from the root, as the router hashes a query."""
@@ -276,3 +278,13 @@ def test_a_random_trace_keeps_router_and_manager_equal(encoding: str, seed: int)
         h.sync()
     assert all(count > 0 for count in seen.values()), seen
     assert mgr.stats().evictions > 0
+
+
+def test_the_index_drops_orphans_and_removes_subtrees() -> None:
+    index = RadixIndex()
+    chain = {"block_hashes": [1, 2, 3], "parent_block_hash": None, "token_ids": list(range(12))}
+    index.store(chain)
+    index.store({"block_hashes": [4], "parent_block_hash": 9, "token_ids": [0] * BS})
+    assert set(index.nodes) == {1, 2, 3} and index.dropped == 1
+    index.remove(2)
+    assert set(index.nodes) == {1} and index.match(list(range(12)), None) == 1
