@@ -74,8 +74,10 @@ def decode_event(raw: Any) -> dict[str, Any]:
             raise FormatError(f"bad block_size {size!r}")
         if not isinstance(tokens, list) or len(tokens) != size * len(hashes):
             raise FormatError("token_ids must hold block_size tokens per block")
-        if event.get("lora_id") is not None or event.get("lora_name") is not None:
-            raise FormatError("pagedkv sets no LoRA")
+        if event.get("lora_id") is not None:
+            raise FormatError("pagedkv sets no lora_id (it names adapters by lora_name)")
+        if not isinstance(event.get("lora_name", ""), str | None):
+            raise FormatError(f"lora_name must be a string, got {event['lora_name']!r}")
         extra = event.get("extra_keys")
         if extra is not None and (
             not isinstance(extra, list)

@@ -4,9 +4,11 @@
 pagedkv: a `BlockStored` links each block under its parent (the event's parent, then the run's
 previous block) and is dropped, with the rest of its run, when the tree lacks that parent; a
 `BlockRemoved` drops the block and everything below it; `AllBlocksCleared` empties the tree.
-Queries are hashed by the router itself: a block's key is its tokens, plus the salt for a
-sequence's first block (`extra_keys`, or `cache_salt` in the map encoding). After every step
-the tree must hold exactly `stored_hashes`, and answer every prompt as `cached_prefix_blocks`.
+Queries are hashed by the router itself, as vLLM keys blocks: a block's key is its tokens and
+its extra keys (the LoRA adapter, the multimodal items it holds, and for a sequence's first
+block the salt; the stream carries them in `extra_keys`, the salt also as `cache_salt` in the
+map encoding). After every step the tree must hold exactly `stored_hashes`, and answer every
+prompt as `cached_prefix_blocks`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,26 @@ from pagedkv import BlockManager, OutOfBlocks
 
 MASK = 2**64 - 1
 BS = 4
-Key = tuple[tuple[int, ...], str | None]
+Key = tuple[tuple[int, ...], tuple[str, ...]]
+Span = tuple[int, int, str]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: list[int]
+    salt: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[Span, ...] = ()
+
+    def block_keys(self, i: int) -> tuple[str, ...]:
+        """What a router adds to block `i`'s tokens, computed from the request."""
+        held = [k for start, end, k in self.extra_keys if start < (i + 1) * BS and end > i * BS]
+        lora = [self.lora_name] if self.lora_name is not None else []
+        salt = [self.salt] if self.salt is not None and i == 0 else []
+        return (*lora, *held, *salt)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"salt": self.salt, "lora_name": self.lora_name, "extra_keys": self.extra_keys}
 
 
 @dataclass
@@ -48,10 +69,10 @@ class RadixIndex:
             if parent is not None and parent not in self.nodes:
                 self.dropped += 1
                 return
-            salt = extra[i][0] if extra[i] else None
+            keys = tuple(extra[i] or ())
             if "cache_salt" in event and parent is None:
-                assert salt == event["cache_salt"], "cache_salt and extra_keys disagree"
-            key: Key = (tuple(tokens[i * BS : (i + 1) * BS]), salt)
+                assert keys[-1:] == (event["cache_salt"],), "cache_salt and extra_keys disagree"
+            key: Key = (tuple(tokens[i * BS : (i + 1) * BS]), keys)
             siblings = self.roots if parent is None else self.nodes[parent].children
             assert h not in self.nodes, "a block stored twice"
             assert key not in siblings, "two blocks the router cannot tell apart"
@@ -69,11 +90,11 @@ class RadixIndex:
         while below:
             below.extend(self.nodes.pop(below.pop()).children.values())
 
-    def match(self, tokens: list[int], salt: str | None) -> int:
-        """Full blocks of `tokens` found from the root, as the router hashes a query."""
-        level, found = self.roots, 0
+    def match(self, prompt: Prompt) -> int:
+        """Full blocks of the prompt found from the root, as the router hashes a query."""
+        level, found, tokens = self.roots, 0, prompt.tokens
         for i in range(len(tokens) // BS):
-            h = level.get((tuple(tokens[i * BS : (i + 1) * BS]), salt if i == 0 else None))
+            h = level.get((tuple(tokens[i * BS : (i + 1) * BS]), prompt.block_keys(i)))
             if h is None:
                 break
             level, found = self.nodes[h].children, found + 1
@@ -104,13 +125,13 @@ class Harness:
         self.mgr = BlockManager(num_blocks, BS, num_cpu_blocks=num_cpu_blocks, enable_events=True)
         self.encoding = encoding
         self.router = Router()
-        self.prompts: list[tuple[list[int], str | None]] = []
+        self.prompts: list[Prompt] = []
 
-    def prefill(self, seqs: dict[int, tuple[list[int], str | None]]) -> None:
+    def prefill(self, seqs: dict[int, Prompt]) -> None:
         """Admit these sequences in one step (one plan), then commit their prefill."""
-        for sid, (prompt, salt) in seqs.items():
-            self.mgr.allocate(sid, prompt, salt=salt)
-            self.prompts.append((prompt, salt))
+        for sid, prompt in seqs.items():
+            self.mgr.allocate(sid, prompt.tokens, **prompt.kwargs())
+            self.prompts.append(prompt)
         ids = list(seqs)
         self.mgr.plan(ids, [self.mgr.num_tokens(s) - self.mgr.num_computed(s) for s in ids])
         self.mgr.commit(ids)
@@ -126,9 +147,9 @@ class Harness:
             truth = {h & MASK for h in mgr.stored_hashes(medium)}  # type: ignore[arg-type]
             assert set(index.nodes) == truth, f"{medium} tree != stored_hashes"
         gpu = self.router.tiers["GPU"]
-        for prompt, salt in self.prompts:
-            expected = mgr.cached_prefix_blocks([*prompt, 0], salt=salt)
-            assert gpu.match(prompt, salt) == expected, f"query {prompt[:8]}.. salt {salt}"
+        for prompt in self.prompts:
+            expected = mgr.cached_prefix_blocks([*prompt.tokens, 0], **prompt.kwargs())
+            assert gpu.match(prompt) == expected, f"query {prompt}"
         mgr.check()
 
 
@@ -143,20 +164,20 @@ def tokens(seed: int, n: int) -> list[int]:
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_a_salted_prefix_is_routed_to_its_tenant_only(encoding: str) -> None:
     h = Harness(encoding)
-    prompt = tokens(1, 3 * BS + 1)
-    h.prefill({1: (prompt, "tenant-a")})
-    h.prompts += [(prompt, None), (prompt, "tenant-b")]
+    prompt = Prompt(tokens(1, 3 * BS + 1), "tenant-a")
+    h.prefill({1: prompt})
+    others = [Prompt(prompt.tokens), Prompt(prompt.tokens, "tenant-b")]
+    h.prompts += others
     h.sync()
     gpu = h.router.tiers["GPU"]
-    assert gpu.match(prompt, "tenant-a") == 3
-    assert gpu.match(prompt, None) == gpu.match(prompt, "tenant-b") == 0
+    assert gpu.match(prompt) == 3
+    assert gpu.match(others[0]) == gpu.match(others[1]) == 0
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_a_reset_while_running_leaves_no_block_under_a_withdrawn_parent(encoding: str) -> None:
     h = Harness(encoding)
-    prompt = tokens(2, 2 * BS + 1)
-    h.prefill({1: (prompt, None)})
+    h.prefill({1: Prompt(tokens(2, 2 * BS + 1))})
     h.mgr.reset_prefix_cache()
     h.sync()
     for t in range(3 * BS):  # sequence 1 fills blocks 2, 3 and 4 after the reset
@@ -166,9 +187,9 @@ def test_a_reset_while_running_leaves_no_block_under_a_withdrawn_parent(encoding
     h.sync()
     assert h.mgr.stored_hashes() == []
     # The chain registers again once a sequence computes it again, and routes again.
-    again = h.mgr.token_ids(1).tolist()
-    h.prefill({2: (again, None)})
-    assert h.router.tiers["GPU"].match(again, None) == len(again) // BS
+    again = Prompt(h.mgr.token_ids(1).tolist())
+    h.prefill({2: again})
+    assert h.router.tiers["GPU"].match(again) == len(again.tokens) // BS
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
@@ -176,12 +197,12 @@ def test_a_prefix_computed_twice_in_one_step_then_evicted(encoding: str) -> None
     h = Harness(encoding, num_blocks=12)
     shared = tokens(3, 2 * BS)
     a, b = shared + tokens(4, BS + 1), shared + tokens(5, BS + 1)
-    h.prefill({1: (a, None), 2: (b, None)})  # both compute `shared`; only 1's copy registers
+    h.prefill({1: Prompt(a), 2: Prompt(b)})  # both compute `shared`; only 1's copy registers
     h.mgr.free(1)
     h.sync()
     filler = 10
     while h.mgr.stats().evictions < 3:  # evict sequence 1's blocks while 2 still runs
-        h.prefill({filler: (tokens(filler, BS + 1), None)})
+        h.prefill({filler: Prompt(tokens(filler, BS + 1))})
         h.mgr.free(filler)
         filler += 1
     for t in range(2 * BS):
@@ -192,19 +213,18 @@ def test_a_prefix_computed_twice_in_one_step_then_evicted(encoding: str) -> None
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_a_swap_in_that_finds_the_old_copy_then_evicted(encoding: str) -> None:
     h = Harness(encoding, num_blocks=10, num_cpu_blocks=8)
-    prompt = tokens(6, 3 * BS + 1)
-    h.prefill({1: (prompt, None)})
+    h.prefill({1: Prompt(tokens(6, 3 * BS + 1))})
     h.mgr.swap_out([1])
     h.mgr.confirm_swap_out([1])
     h.sync()
-    h.prefill({2: (tokens(7, 2 * BS + 1), None)})  # evicts the old copy's tail, not its head
+    h.prefill({2: Prompt(tokens(7, 2 * BS + 1))})  # evicts the old copy's tail, not its head
     h.mgr.free(2)
     h.mgr.swap_in([1])
     h.mgr.confirm_swap_in([1])
     h.sync()
     filler = 10
     while h.mgr.stats().evictions < 6:
-        h.prefill({filler: (tokens(filler, BS + 1), None)})
+        h.prefill({filler: Prompt(tokens(filler, BS + 1))})
         h.mgr.free(filler)
         filler += 1
     for t in range(BS):
@@ -220,21 +240,28 @@ def test_a_random_trace_keeps_router_and_manager_equal(encoding: str, seed: int)
     mgr = h.mgr
     prefixes = [tokens(100 + i, 3 * BS) for i in range(4)]
     salts = [None, None, "tenant-a", "tenant-b"]
+    loras = [None, None, "adapter-1"]
     running: list[int] = []
     swapped: list[int] = []
-    seen = dict.fromkeys(["duplicates", "reset", "swap_in", "fork", "salted"], 0)
+    seen = dict.fromkeys(["duplicates", "reset", "swap_in", "fork", "salted", "keyed"], 0)
     next_id = 0
     for _ in range(400):
         admit = {}
         for _ in range(rng.choice([0, 0, 1, 2, 3])):  # several at once: duplicate prefixes
             next_id += 1
             prompt = rng.choice(prefixes)[: rng.randrange(1, 3 * BS + 1)]
-            admit[next_id] = (prompt + tokens(next_id, rng.randrange(1, 6)), rng.choice(salts))
+            prompt += tokens(next_id, rng.randrange(1, 6))
+            image = rng.randrange(len(prompt))  # an image's placeholder tokens, sometimes
+            spans = ((image, min(len(prompt), image + 3), f"img-{image % 3}"),)
+            admit[next_id] = Prompt(
+                prompt, rng.choice(salts), rng.choice(loras), spans if rng.random() < 0.3 else ()
+            )
         try:
             h.prefill(admit)
             running += list(admit)
             seen["duplicates"] += len(admit) > 1
-            seen["salted"] += any(salt for _, salt in admit.values())
+            seen["salted"] += any(p.salt for p in admit.values())
+            seen["keyed"] += any(p.lora_name or p.extra_keys for p in admit.values())
         except OutOfBlocks:
             for sid in admit:
                 if sid in mgr:
@@ -287,4 +314,4 @@ def test_the_index_drops_orphans_and_removes_subtrees() -> None:
     index.store({"block_hashes": [4], "parent_block_hash": 9, "token_ids": [0] * BS})
     assert set(index.nodes) == {1, 2, 3} and index.dropped == 1
     index.remove(2)
-    assert set(index.nodes) == {1} and index.match(list(range(12)), None) == 1
+    assert set(index.nodes) == {1} and index.match(Prompt(list(range(12)))) == 1

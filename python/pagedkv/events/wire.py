@@ -5,8 +5,9 @@ big-endian) and the payload, a msgpack array `[ts, events, data_parallel_rank]`.
 a map tagged by `"type"` (`encoding="map"`, what current vLLM writes) or an array whose first
 element is the tag (`encoding="array"`, what older vLLM wrote and llm-d's decoder reads).
 Block hashes are unsigned 64-bit integers (`wire_hash`), the same value in every event. A
-salted chain carries its salt's string form as `cache_salt` (map encoding) and, as vLLM does,
-in the `extra_keys` of a sequence's first block (both encodings).
+chain carries its LoRA adapter as `lora_name`, its salt's string form as `cache_salt` (map
+encoding), and `extra_keys` as vLLM writes them (both encodings): per block, the LoRA adapter,
+the block's extra keys, then (a sequence's first block only) the salt.
 `BlockManager.take_event_batch` writes the same bytes in Rust; this module encodes event
 lists built in Python.
 """
@@ -43,12 +44,7 @@ class BlockStored:
     lora_id: int | None = None
     lora_name: str | None = None
     cache_salt: str | None = None  # the salt's string form, None when unsalted
-
-    def extra_keys(self) -> list[list[str] | None] | None:
-        """vLLM's per-block extra keys: the salt on a sequence's first block, else None."""
-        if self.cache_salt is None or self.parent_block_hash is not None:
-            return None
-        return [[self.cache_salt]] + [None] * (len(self.block_hashes) - 1)
+    extra_keys: list[list[str] | None] | None = None  # per block; None: no block has any
 
 
 @dataclass(slots=True)
@@ -81,9 +77,8 @@ def _as_map(event: WireEvent) -> dict[str, Any]:
             "medium": event.medium,
             "lora_name": event.lora_name,
         }
-        extra_keys = event.extra_keys()
-        if extra_keys is not None:
-            fields["extra_keys"] = extra_keys
+        if event.extra_keys is not None:
+            fields["extra_keys"] = event.extra_keys
         if event.cache_salt is not None:
             fields["cache_salt"] = event.cache_salt
         return fields
@@ -104,8 +99,7 @@ def _as_array(event: WireEvent) -> list[Any]:
             event.medium,
             event.lora_name,
         ]
-        extra_keys = event.extra_keys()
-        return fields if extra_keys is None else [*fields, extra_keys]
+        return fields if event.extra_keys is None else [*fields, event.extra_keys]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     return ["AllBlocksCleared"]

@@ -34,6 +34,10 @@ pub enum EventKind {
         medium: PoolKind,
         /// The salt of the sequence that stored it (bound into its hash).
         salt: Option<Arc<[u8]>>,
+        /// The LoRA adapter of the sequence that stored it (bound into its hash).
+        lora_name: Option<Arc<str>>,
+        /// The block's extra keys (bound into its hash), in order.
+        extra_keys: Vec<String>,
     },
     /// `medium` no longer holds `block_hash`: a cached GPU block was evicted, or the last CPU
     /// copy of the hash left the CPU pool.

@@ -65,6 +65,7 @@ mod cpu_tier;
 mod error;
 mod events;
 mod free_list;
+mod keys;
 mod lru;
 mod manager;
 mod plan;
@@ -80,6 +81,7 @@ pub use batch::{Batch, TableUpdates};
 pub use config::Config;
 pub use error::{Error, PoolKind};
 pub use events::{Event, EventKind};
+pub use keys::{ExtraKey, HashKeys};
 pub use manager::BlockManager;
 pub use plan::Plan;
 #[doc(hidden)]

@@ -14,6 +14,10 @@
 //!   stable across processes and hard to forge, so it stays BLAKE3; a registered block keeps
 //!   its chaining value, and a hit reads it instead of hashing the prompt again.
 //!
+//! A block with extra keys ([`crate::keys`]) binds their digest into both: its BLAKE3 input
+//! starts with it, and its map key hashes a *link* (a keyed BLAKE3 of the parent key and the
+//! digest) in place of the parent key; the registration stores the link, so a hit verifies it.
+//!
 //! A prompt is hashed before its admission takes any lock ([`PromptHashes`]), and a retry after
 //! a lost race reuses its map keys.
 
@@ -21,6 +25,7 @@ use xxhash_rust::xxh3::xxh3_128_with_secret;
 
 use crate::block::BlockState;
 use crate::bookkeeping::{try_boxed, TooLarge};
+use crate::keys::{digest_of, Digest, HashKeys};
 use crate::pool::BlockPool;
 use crate::prefix_map::{PrefixMap, Region};
 use crate::sync::{AtomicU64, Ordering};
@@ -133,6 +138,8 @@ pub(crate) struct PromptHashes {
     pub(crate) chains: Vec<Chain>,
     /// Verified hits, with the state each was verified in (for `acquire_hits`).
     pub(crate) hits: Vec<(BlockId, BlockState)>,
+    /// The extra keys' digest of every full block (empty when the prompt has none).
+    digests: Vec<Option<Digest>>,
     /// Hits with refcount 0 (CACHED): taking them uses up an available block.
     pub(crate) cached_hits: usize,
     /// `chains[computed_from..]` were computed, starting from `chains[computed_from - 1]` as
@@ -158,7 +165,8 @@ impl PromptHashes {
         let mut parent = root_key(&self.root);
         for (i, &key) in self.keys.iter().enumerate().take(hittable) {
             let block_tokens = &tokens[i * bs..(i + 1) * bs];
-            let Some((block, state)) = prefix.find(pool, key, parent, block_tokens) else {
+            let link = prefix.link(parent, self.digest(i));
+            let Some((block, state)) = prefix.find(pool, key, link, block_tokens) else {
                 break;
             };
             self.cached_hits += usize::from(state.refcount() == 0);
@@ -179,11 +187,15 @@ impl PromptHashes {
         }
         let mut chain = base;
         for (i, block_tokens) in tokens.chunks_exact(bs).enumerate().skip(from) {
-            chain = prefix.hash_block(&chain, block_tokens);
+            chain = prefix.hash_block(&chain, block_tokens, self.digest(i));
             self.chains[i] = chain;
         }
         self.computed_from = from;
         self.base = base;
+    }
+
+    fn digest(&self, i: usize) -> Option<&Digest> {
+        self.digests.get(i).and_then(Option::as_ref)
     }
 }
 
@@ -205,7 +217,7 @@ impl PrefixCache {
         Ok(PrefixCache {
             key,
             secret,
-            unsalted_root: root_of(&key, None),
+            unsalted_root: root_of(&key, None, None),
             block_size: block_size as usize,
             map: PrefixMap::new(num_blocks)?,
             words,
@@ -213,12 +225,26 @@ impl PrefixCache {
         })
     }
 
-    /// The chaining value before a sequence's first block: binds the key and the tenant salt.
-    pub(crate) fn root(&self, salt: Option<&[u8]>) -> Chain {
-        match salt {
-            None => self.unsalted_root,
-            Some(_) => root_of(&self.key, salt),
+    /// The chaining value before a sequence's first block: binds the key, the tenant salt and
+    /// the LoRA adapter.
+    pub(crate) fn root(&self, keys: &HashKeys<'_>) -> Chain {
+        match (keys.salt, keys.lora_name) {
+            (None, None) => self.unsalted_root,
+            (salt, lora) => root_of(&self.key, salt, lora),
         }
+    }
+
+    /// What a block's map key and registration name as its parent: the parent's key, or with
+    /// extra keys a keyed hash of it and their digest.
+    pub(crate) fn link(&self, parent: MapKey, digest: Option<&Digest>) -> MapKey {
+        let Some(digest) = digest else {
+            return parent;
+        };
+        let mut hasher = blake3::Hasher::new_keyed(&self.key);
+        hasher.update(b"pagedkv/link");
+        hasher.update(&parent.to_le_bytes()).update(digest);
+        let out = hasher.finalize();
+        u128::from_le_bytes(out.as_bytes()[..16].try_into().expect("16 bytes"))
     }
 
     /// A public 64-bit fingerprint of the key: equal for managers that hash alike, and reveals
@@ -228,9 +254,14 @@ impl PrefixCache {
         u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
     }
 
-    /// The BLAKE3 chaining value of one full block after `parent`.
-    pub(crate) fn hash_block(&self, parent: &Chain, tokens: &[Token]) -> Chain {
-        with_bytes(&[], tokens, |bytes| {
+    /// The BLAKE3 chaining value of one full block after `parent`, with its extra keys' digest.
+    pub(crate) fn hash_block(
+        &self,
+        parent: &Chain,
+        tokens: &[Token],
+        digest: Option<&Digest>,
+    ) -> Chain {
+        with_bytes(digest.map_or(&[][..], |d| &d[..]), tokens, |bytes| {
             *blake3::keyed_hash(parent, bytes).as_bytes()
         })
     }
@@ -245,13 +276,20 @@ impl PrefixCache {
     /// Hashes a prompt for admission: the root and every full block's map key, no lookup yet
     /// (see [`PromptHashes::find_hits`]). Takes no lock; the vectors become the admitted
     /// sequence's.
-    pub(crate) fn hash_prompt(&self, tokens: &[Token], salt: Option<&[u8]>) -> PromptHashes {
-        let root = self.root(salt);
+    pub(crate) fn hash_prompt(&self, tokens: &[Token], with: &HashKeys<'_>) -> PromptHashes {
+        let root = self.root(with);
         let full = tokens.len() / self.block_size;
+        let digests: Vec<Option<Digest>> = match with.extra_keys {
+            [] => Vec::new(),
+            spans => (0..full)
+                .map(|i| digest_of(spans, i, self.block_size))
+                .collect(),
+        };
         let mut keys = Vec::with_capacity(full);
         let mut key = root_key(&root);
-        for block_tokens in tokens.chunks_exact(self.block_size) {
-            key = self.key_block(key, block_tokens);
+        for (i, block_tokens) in tokens.chunks_exact(self.block_size).enumerate() {
+            let digest = digests.get(i).and_then(Option::as_ref);
+            key = self.key_block(self.link(key, digest), block_tokens);
             keys.push(key);
         }
         let mut chains = Vec::with_capacity(full);
@@ -261,6 +299,7 @@ impl PrefixCache {
             keys,
             chains,
             hits: Vec::new(),
+            digests,
             cached_hits: 0,
             computed_from: usize::MAX,
             base: [0; 32],
@@ -273,14 +312,21 @@ impl PrefixCache {
         &self,
         pool: &BlockPool,
         tokens: &[Token],
-        salt: Option<&[u8]>,
+        with: &HashKeys<'_>,
         hittable: usize,
     ) -> (usize, usize) {
         let (mut hits, mut cached) = (0, 0);
-        let mut parent = root_key(&self.root(salt));
-        for block_tokens in tokens.chunks_exact(self.block_size).take(hittable) {
-            let key = self.key_block(parent, block_tokens);
-            let Some((_, state)) = self.find(pool, key, parent, block_tokens) else {
+        let mut parent = root_key(&self.root(with));
+        for (i, block_tokens) in tokens.chunks_exact(self.block_size).enumerate() {
+            if i == hittable {
+                break;
+            }
+            let link = self.link(
+                parent,
+                digest_of(with.extra_keys, i, self.block_size).as_ref(),
+            );
+            let key = self.key_block(link, block_tokens);
+            let Some((_, state)) = self.find(pool, key, link, block_tokens) else {
                 break;
             };
             hits += 1;
@@ -465,8 +511,9 @@ impl PrefixCache {
     }
 }
 
-/// `BLAKE3_keyed(key, "pagedkv/root" || salt)`, with the salt's presence and length bound in.
-fn root_of(key: &[u8; 32], salt: Option<&[u8]>) -> Chain {
+/// `BLAKE3_keyed(key, "pagedkv/root" || salt || lora)`, with the salt's presence and length
+/// bound in, then (only if there is one) the LoRA adapter's length and name.
+fn root_of(key: &[u8; 32], salt: Option<&[u8]>, lora: Option<&str>) -> Chain {
     let mut hasher = blake3::Hasher::new_keyed(key);
     hasher.update(b"pagedkv/root");
     match salt {
@@ -476,6 +523,11 @@ fn root_of(key: &[u8; 32], salt: Option<&[u8]>) -> Chain {
             .update(&(salt.len() as u64).to_le_bytes())
             .update(salt),
     };
+    if let Some(lora) = lora {
+        hasher
+            .update(&(lora.len() as u64).to_le_bytes())
+            .update(lora.as_bytes());
+    }
     *hasher.finalize().as_bytes()
 }
 

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Arc;
 
+use crate::keys::SequenceKeys;
 use crate::prefix::{block_hash_of, root_key, BlockHash, Chain, MapKey};
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, SeqId, Token};
@@ -55,8 +55,8 @@ pub(crate) struct Sequence {
     pub(crate) keys: Vec<MapKey>,
     /// Chaining value before block 0 (binds the key and the salt).
     pub(crate) root: Chain,
-    /// The tenant salt, kept for the events (`None` when events are off).
-    pub(crate) salt: Option<Arc<[u8]>>,
+    /// What its hashes bind besides the tokens (the root binds the salt and LoRA adapter).
+    pub(crate) extra: SequenceKeys,
 }
 
 /// One copy-on-write copy a sequence still depends on.
@@ -88,7 +88,7 @@ impl Sequence {
             keys,
             hashes,
             root,
-            salt: None,
+            extra: SequenceKeys::default(),
             swapped: false,
             shared_tail: false,
             stamp: 0,

@@ -4,8 +4,10 @@
 //! (consecutive stored events of one medium, each the next one's parent) and consecutive
 //! removals of one medium into one `BlockRemoved`. Each event is a map tagged by `"type"`
 //! ([`Encoding::Map`]) or an array whose first element is the tag ([`Encoding::Array`]).
-//! Hashes are the low 64 bits of the block hashes. A salted sequence's stored runs carry its
-//! salt as `cache_salt` (map only) and, as vLLM does, in the `extra_keys` of its first block.
+//! Hashes are the low 64 bits of the block hashes. A stored run carries its sequence's LoRA
+//! adapter as `lora_name`, its salt as `cache_salt` (map only), and `extra_keys` as vLLM writes
+//! them: per block, the LoRA adapter, the block's extra keys, then (first block only) the salt;
+//! `None` for a block without any, and no field when no block has any.
 
 use std::ops::Range;
 
@@ -119,14 +121,17 @@ fn stored(out: &mut Vec<u8>, header: &BatchHeader, run: &[Event]) {
         parent_hash,
         medium,
         salt,
+        lora_name,
         ..
     } = &run[0].kind
     else {
         unreachable!("a stored run starts with a stored event");
     };
     let salt = salt.as_deref().map(cache_salt);
-    let first_block = parent_hash.is_none();
-    let extra = salt.is_some() && first_block;
+    let first_salt = salt.as_deref().filter(|_| parent_hash.is_none());
+    let extra = lora_name.is_some()
+        || first_salt.is_some()
+        || run.iter().any(|e| !block_keys(e).is_empty());
     let map = header.encoding == Encoding::Map;
     let fields = 7 + usize::from(extra) + usize::from(map && salt.is_some());
     tag(out, header.encoding, "BlockStored", fields);
@@ -158,17 +163,45 @@ fn stored(out: &mut Vec<u8>, header: &BatchHeader, run: &[Event]) {
     key(out, map, "medium");
     str(out, medium_name(*medium));
     key(out, map, "lora_name");
-    out.push(0xc0);
-    if let (true, Some(salt)) = (extra, &salt) {
+    match lora_name {
+        Some(name) => str(out, name),
+        None => out.push(0xc0),
+    }
+    if extra {
         key(out, map, "extra_keys");
         array_len(out, run.len());
-        array_len(out, 1);
-        str(out, salt);
-        out.extend(std::iter::repeat_n(0xc0, run.len() - 1));
+        for (i, event) in run.iter().enumerate() {
+            let keys = block_keys(event);
+            let salt = first_salt.filter(|_| i == 0);
+            let n = usize::from(lora_name.is_some()) + keys.len() + usize::from(salt.is_some());
+            if n == 0 {
+                out.push(0xc0);
+                continue;
+            }
+            array_len(out, n);
+            for key in lora_name
+                .as_deref()
+                .into_iter()
+                .chain(keys.iter().map(String::as_str))
+            {
+                str(out, key);
+            }
+            if let Some(salt) = salt {
+                str(out, salt);
+            }
+        }
     }
     if let (true, Some(salt)) = (map, &salt) {
         key(out, map, "cache_salt");
         str(out, salt);
+    }
+}
+
+/// A stored event's own extra keys.
+fn block_keys(event: &Event) -> &[String] {
+    match &event.kind {
+        EventKind::BlockStored { extra_keys, .. } => extra_keys,
+        _ => &[],
     }
 }
 

@@ -1890,6 +1890,8 @@ impl Harness {
                         block_id,
                         medium,
                         salt: event_salt,
+                        lora_name,
+                        extra_keys,
                     },
                     ModelEvent::Stored {
                         key,
@@ -1903,6 +1905,7 @@ impl Harness {
                     self.binding.bind(key, *block_hash)?;
                     let (salt, prefix) = key;
                     prop_assert_eq!(event_salt.as_deref(), salt.as_deref(), "the event's salt");
+                    prop_assert!(lora_name.is_none() && extra_keys.is_empty(), "no keys");
                     if prefix.len() > bs {
                         let parent = (salt.clone(), prefix[..prefix.len() - bs].to_vec());
                         let Some(parent_hash) = parent_hash else {

@@ -3,6 +3,7 @@
 mod batch;
 mod conversions;
 mod events;
+mod keys;
 mod manager;
 mod plan;
 mod stats;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::error::invalid;
 use crate::events::EventKind;
+use crate::keys::{check_spans, digest_of, HashKeys};
 use crate::manager::{check_room, BlockManager, Taken, MAX_TOKENS};
 use crate::prefix::{block_hash_of, BlockHash, PrefixCache};
 use crate::sequence::Sequence;
@@ -21,7 +22,17 @@ impl BlockManager {
         tokens: &[Token],
         salt: Option<&[u8]>,
     ) -> Result<usize, Error> {
-        Ok(self.admit(seq, tokens, salt, None)?.0)
+        self.allocate_keyed(seq, tokens, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::allocate`] with a LoRA adapter and extra keys as well as a salt.
+    pub fn allocate_keyed(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        keys: &HashKeys<'_>,
+    ) -> Result<usize, Error> {
+        Ok(self.admit(seq, tokens, keys, None)?.0)
     }
 
     /// Admits `seq` like [`BlockManager::allocate`] when an external store holds more of the
@@ -36,20 +47,32 @@ impl BlockManager {
         loadable_blocks: usize,
         salt: Option<&[u8]>,
     ) -> Result<(usize, Vec<BlockId>), Error> {
-        self.admit(seq, tokens, salt, Some(loadable_blocks))
+        self.allocate_loading_keyed(seq, tokens, loadable_blocks, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::allocate_loading`] with a LoRA adapter and extra keys as well as a salt.
+    pub fn allocate_loading_keyed(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        loadable_blocks: usize,
+        keys: &HashKeys<'_>,
+    ) -> Result<(usize, Vec<BlockId>), Error> {
+        self.admit(seq, tokens, keys, Some(loadable_blocks))
     }
 
     fn admit(
         &self,
         seq: SeqId,
         tokens: &[Token],
-        salt: Option<&[u8]>,
+        with: &HashKeys<'_>,
         loadable: Option<usize>,
     ) -> Result<(usize, Vec<BlockId>), Error> {
         if tokens.is_empty() {
             return Err(invalid("allocate needs at least one token"));
         }
         check_room(0, tokens.len())?;
+        check_spans(with.extra_keys, 0, tokens.len())?;
         let bs = self.bs;
         let pages = bs.pages(tokens.len());
         let hittable = bs.index(tokens.len() - 1);
@@ -58,7 +81,7 @@ impl BlockManager {
         let mut prompt = self
             .prefix
             .as_ref()
-            .map(|p| (p, p.hash_prompt(tokens, salt)));
+            .map(|p| (p, p.hash_prompt(tokens, with)));
         let (mut one, table) = loop {
             if let Some((prefix, prompt)) = &mut prompt {
                 prompt.find_hits(prefix, &self.gpu, tokens, hittable);
@@ -112,8 +135,10 @@ impl BlockManager {
         if loads > 0 {
             sequence.loading = Some((hit_blocks, loads));
         }
+        sequence.extra.spans = with.extra_keys.to_vec();
         if self.events.enabled() {
-            sequence.salt = salt.map(Arc::from);
+            sequence.extra.salt = with.salt.map(Arc::from);
+            sequence.extra.lora_name = with.lora_name.map(Arc::from);
         }
         if loadable.is_some() {
             Counters::add(
@@ -135,10 +160,21 @@ impl BlockManager {
 
     /// Whether a prompt could be admitted now while keeping the watermark in reserve.
     pub fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
+        self.fits(tokens, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::can_allocate`] with a LoRA adapter and extra keys as well as a salt;
+    /// fails on extra keys outside the tokens.
+    pub fn can_allocate_keyed(&self, tokens: &[Token], keys: &HashKeys<'_>) -> Result<bool, Error> {
+        check_spans(keys.extra_keys, 0, tokens.len())?;
+        Ok(self.fits(tokens, keys))
+    }
+
+    fn fits(&self, tokens: &[Token], keys: &HashKeys<'_>) -> bool {
         if tokens.is_empty() || tokens.len() > MAX_TOKENS {
             return false;
         }
-        let (hits, cached_hits) = self.count_hits(tokens, salt);
+        let (hits, cached_hits) = self.count_hits(tokens, keys);
         let needed = self.bs.pages(tokens.len()) - hits + cached_hits;
         self.gpu.available() >= needed + self.watermark_blocks
     }
@@ -146,10 +182,25 @@ impl BlockManager {
     /// How many leading full blocks of the prompt the GPU prefix cache holds now (read-only; a
     /// hit never covers the last token).
     pub fn cached_prefix_blocks(&self, tokens: &[Token], salt: Option<&[u8]>) -> usize {
+        self.cached_blocks(tokens, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::cached_prefix_blocks`] with a LoRA adapter and extra keys as well; fails
+    /// on extra keys outside the tokens.
+    pub fn cached_prefix_blocks_keyed(
+        &self,
+        tokens: &[Token],
+        keys: &HashKeys<'_>,
+    ) -> Result<usize, Error> {
+        check_spans(keys.extra_keys, 0, tokens.len())?;
+        Ok(self.cached_blocks(tokens, keys))
+    }
+
+    fn cached_blocks(&self, tokens: &[Token], keys: &HashKeys<'_>) -> usize {
         if tokens.is_empty() || tokens.len() > MAX_TOKENS {
             return 0;
         }
-        self.count_hits(tokens, salt).0
+        self.count_hits(tokens, keys).0
     }
 
     /// The chained hashes of the prompt's full blocks (the values events carry).
@@ -158,15 +209,28 @@ impl BlockManager {
         tokens: &[Token],
         salt: Option<&[u8]>,
     ) -> Result<Vec<BlockHash>, Error> {
+        self.block_hashes_keyed(tokens, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::block_hashes`] with a LoRA adapter and extra keys as well as a salt.
+    pub fn block_hashes_keyed(
+        &self,
+        tokens: &[Token],
+        keys: &HashKeys<'_>,
+    ) -> Result<Vec<BlockHash>, Error> {
         let prefix = self
             .prefix
             .as_ref()
             .ok_or_else(|| invalid("block hashes need prefix caching"))?;
-        let mut parent = prefix.root(salt);
+        check_spans(keys.extra_keys, 0, tokens.len())?;
+        let bs = self.bs.get();
+        let mut parent = prefix.root(keys);
         Ok(tokens
-            .chunks_exact(self.bs.get())
-            .map(|block| {
-                parent = prefix.hash_block(&parent, block);
+            .chunks_exact(bs)
+            .enumerate()
+            .map(|(i, block)| {
+                let digest = digest_of(keys.extra_keys, i, bs);
+                parent = prefix.hash_block(&parent, block, digest.as_ref());
                 block_hash_of(&parent)
             })
             .collect())
@@ -210,11 +274,11 @@ impl BlockManager {
 
     /// The verified hits of a prompt's leading full blocks (never covering the last token) and
     /// how many of them are CACHED. Read-only.
-    fn count_hits(&self, tokens: &[Token], salt: Option<&[u8]>) -> (usize, usize) {
+    fn count_hits(&self, tokens: &[Token], keys: &HashKeys<'_>) -> (usize, usize) {
         match &self.prefix {
             Some(prefix) => {
                 let hittable = self.bs.index(tokens.len() - 1);
-                prefix.count_hits(&self.gpu, tokens, salt, hittable)
+                prefix.count_hits(&self.gpu, tokens, keys, hittable)
             }
             None => (0, 0),
         }

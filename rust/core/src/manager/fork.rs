@@ -46,7 +46,7 @@ impl BlockManager {
             p.registered,
         );
         copy.shared_tail = true;
-        copy.salt = p.salt.clone();
+        copy.extra = p.extra.clone();
         for &block in &copy.table {
             self.gpu.share_held(block);
         }

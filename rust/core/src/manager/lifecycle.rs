@@ -139,8 +139,10 @@ impl BlockManager {
         while s.hashes.len() < n {
             let i = s.hashes.len();
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            let key = prefix.key_block(s.parent_key(i), tokens);
-            s.hashes.push(prefix.hash_block(&s.parent_chain(i), tokens));
+            let digest = s.extra.digest(i, bs);
+            let key = prefix.key_block(prefix.link(s.parent_key(i), digest.as_ref()), tokens);
+            s.hashes
+                .push(prefix.hash_block(&s.parent_chain(i), tokens, digest.as_ref()));
             s.keys.push(key);
         }
     }
@@ -157,16 +159,15 @@ impl BlockManager {
         }
         self.hash_blocks(prefix, s, upto);
         let (from, bs) = (s.registered, self.bs.get());
-        let mut parent = s.parent_key(from);
         for i in from..upto {
             let (block, key, chain) = (s.table[i], s.keys[i], &s.hashes[i]);
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
+            let parent = prefix.link(s.parent_key(i), s.extra.digest(i, bs).as_ref());
             // Only under the sequence's own registered block (SEMANTICS.md, "one tree"): it
             // holds that block, so the parent outlives the child in the cache.
             let linked = || i == 0 || self.gpu.state(s.table[i - 1]).hashed();
             let publish = || self.publish(s, i, block, chain, tokens);
             prefix.register(block, key, parent, chain, tokens, linked, publish);
-            parent = key;
         }
         s.registered = upto;
     }
@@ -181,7 +182,9 @@ impl BlockManager {
             token_ids: tokens.to_vec(),
             block_id: block,
             medium: PoolKind::Gpu,
-            salt: s.salt.clone(),
+            salt: s.extra.salt.clone(),
+            lora_name: s.extra.lora_name.clone(),
+            extra_keys: s.extra.of_block(i, self.bs.get()),
         });
     }
 }

@@ -83,6 +83,7 @@ impl BlockManager {
         // Held by `s` alone: a block that holds an uncommitted token has one holder.
         self.release_gpu_blocks(&s.table, pages, old);
         s.tokens.truncate(len);
+        s.extra.truncate(len);
         if pages < s.table.len() {
             s.table.truncate(pages);
             s.table_changed();

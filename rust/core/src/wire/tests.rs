@@ -12,6 +12,8 @@ fn stored(hash: BlockHash, parent: Option<BlockHash>, medium: PoolKind, salt: &s
             block_id: 0,
             medium,
             salt: (!salt.is_empty()).then(|| Arc::from(salt.as_bytes())),
+            lora_name: None,
+            extra_keys: Vec::new(),
         },
     }
 }
@@ -103,5 +105,34 @@ fn integers_take_msgpack_smallest_form() {
     assert_eq!(
         out,
         [0x7f, 0xcc, 0x80, 0xcd, 1, 0, 0xce, 0, 1, 0, 0, 0xcf, 0, 0, 0, 1, 0, 0, 0, 0]
+    );
+}
+
+#[test]
+fn lora_and_block_keys_lead_each_blocks_extra_keys() {
+    let mut events = [
+        stored(1, None, PoolKind::Gpu, "s"),
+        stored(2, Some(1), PoolKind::Gpu, "s"),
+    ];
+    for (i, event) in events.iter_mut().enumerate() {
+        if let EventKind::BlockStored {
+            lora_name,
+            extra_keys,
+            ..
+        } = &mut event.kind
+        {
+            *lora_name = Some(Arc::from("ad"));
+            if i == 1 {
+                extra_keys.push("img".to_owned());
+            }
+        }
+    }
+    let mut out = Vec::new();
+    encode_batch(&header(Encoding::Array, false), &events, &mut out);
+    // lora_name, then extra_keys: [["ad", "s"], ["ad", "img"]].
+    let expected = b"\xa2ad\x92\x92\xa2ad\xa1s\x92\xa2ad\xa3img\xc0";
+    assert!(
+        out.windows(expected.len()).any(|w| w == expected),
+        "{out:?}"
     );
 }
