@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 _STOP = None
 # The thread wakes on this period and drains the queue, rather than blocking on it: a blocked
 # consumer is woken by every `put`, and each wake-up makes the engine's thread wait for the GIL.
-# It idles in the sockets' poll, without the GIL, so a replay request is answered at once.
-_IDLE_POLL_MS = 1
+# It idles in the sockets' poll, without the GIL, so a replay request is answered at once,
+# for a batch interval: the engine takes no batch sooner.
+_MIN_IDLE_POLL_MS = 1
 _LINGER_MS = 2000  # on close, how long queued messages may take to leave
 
 
@@ -74,7 +75,7 @@ class KVEventPublisher:
         max_queue: int = 100_000,
         hwm: int = 100_000,
         encoding: Encoding = "map",
-        batch_interval: float = 0.001,
+        batch_interval: float = 0.005,
     ) -> None:
         if batch_interval < 0:
             raise ValueError(f"batch_interval must not be negative, got {batch_interval}")
@@ -228,7 +229,7 @@ class KVEventPublisher:
             self._queue.put((time.time(), [], True))
         while self._thread.is_alive():
             try:
-                self._queue.put(_STOP, timeout=_IDLE_POLL_MS / 1000)
+                self._queue.put(_STOP, timeout=_MIN_IDLE_POLL_MS / 1000)
                 break
             except queue.Full:
                 continue
@@ -261,9 +262,10 @@ class KVEventPublisher:
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         resync = False  # batches were lost: the next one sent starts with AllBlocksCleared
+        idle_ms = max(_MIN_IDLE_POLL_MS, round(self.batch_interval * 1000))
         idle = False
         while True:
-            self._serve(poller, _IDLE_POLL_MS if idle else 0)
+            self._serve(poller, idle_ms if idle else 0)
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
