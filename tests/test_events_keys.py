@@ -101,3 +101,16 @@ def test_append_refuses_spans_outside_the_new_tokens() -> None:
     with pytest.raises(ValueError, match=re.escape("within the tokens 6..8")):
         mgr.append(1, [1, 2], extra_keys=[(5, 7, "x")])
     assert mgr.num_tokens(1) == 6
+
+
+def test_a_rollback_forgets_the_extra_keys_of_dropped_tokens() -> None:
+    mgr = BlockManager(32, BS)
+    computed(mgr, 1, PROMPT[:6])
+    mgr.append(1, [7, 8], extra_keys=[(6, 8, "img-d")])  # a rejected draft with a key
+    mgr.rollback([1], [2])
+    mgr.append(1, [7, 8, 9, 10])
+    mgr.plan([1], [4])
+    mgr.commit([1])
+    tokens = [*PROMPT[:6], 7, 8, 9, 10, 0]
+    assert mgr.cached_prefix_blocks(tokens) == 2
+    assert mgr.cached_prefix_blocks(tokens, extra_keys=[(6, 8, "img-d")]) == 1
