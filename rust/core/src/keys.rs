@@ -105,3 +105,48 @@ pub(crate) fn digest_of(spans: &[ExtraKey], i: usize, bs: usize) -> Option<Diges
     }
     Some(*hasher.finalize().as_bytes())
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn span(start: usize, end: usize, key: &str) -> ExtraKey {
+        ExtraKey {
+            start,
+            end,
+            key: key.to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_block_binds_the_spans_it_holds_in_order() {
+        let spans = [span(1, 3, "a"), span(2, 6, "b")];
+        assert_eq!(digest_of(&spans, 2, 4), None);
+        let both = digest_of(&spans, 0, 4).unwrap();
+        assert_ne!(
+            Some(both),
+            digest_of(&[span(2, 6, "b"), span(1, 3, "a")], 0, 4)
+        );
+        assert_ne!(
+            Some(both),
+            digest_of(&[span(1, 3, "ab")], 0, 4),
+            "keys are delimited"
+        );
+        assert_eq!(digest_of(&spans, 1, 4), digest_of(&[span(4, 5, "b")], 1, 4));
+        assert!(check_spans(&spans, 0, 6).is_ok());
+        assert!(
+            check_spans(&spans, 2, 6).is_err() && check_spans(&[span(3, 3, "a")], 0, 6).is_err()
+        );
+    }
+
+    #[test]
+    fn truncating_cuts_and_drops_spans() {
+        let mut keys = SequenceKeys {
+            spans: vec![span(1, 3, "a"), span(2, 6, "b"), span(5, 6, "c")],
+            ..SequenceKeys::default()
+        };
+        keys.truncate(5);
+        assert_eq!(keys.spans, [span(1, 3, "a"), span(2, 5, "b")]);
+        assert_eq!(keys.of_block(1, 4), ["b"]);
+    }
+}
