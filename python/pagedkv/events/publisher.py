@@ -34,8 +34,8 @@ _STOP = None
 # The thread wakes on this period and drains the queue, rather than blocking on it: a blocked
 # consumer is woken by every `put`, and each wake-up makes the engine's thread wait for the GIL.
 # It idles in the sockets' poll, without the GIL, so a replay request is answered at once,
-# for a batch interval: the engine takes no batch sooner.
-_MIN_IDLE_POLL_MS = 1
+# for a batch interval (the engine takes no batch sooner) within these bounds.
+_MIN_IDLE_POLL_MS, _MAX_IDLE_POLL_MS = 1, 5
 _LINGER_MS = 2000  # on close, how long queued messages may take to leave
 
 
@@ -262,7 +262,8 @@ class KVEventPublisher:
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         resync = False  # batches were lost: the next one sent starts with AllBlocksCleared
-        idle_ms = max(_MIN_IDLE_POLL_MS, round(self.batch_interval * 1000))
+        idle_ms = round(self.batch_interval * 1000)
+        idle_ms = min(max(idle_ms, _MIN_IDLE_POLL_MS), _MAX_IDLE_POLL_MS)
         idle = False
         while True:
             self._serve(poller, idle_ms if idle else 0)
