@@ -136,9 +136,10 @@ class PythonBlockManager:
         return hits, hashes
 
     def _register(self, seq: _Sequence, i: int) -> None:
-        """Put full block i of `seq` in the prefix map unless its hash is already there."""
+        """Put full block i of `seq` in the prefix map unless its hash is already there or the
+        sequence's own block i - 1 is not registered (one tree, SEMANTICS.md)."""
         block_hash = seq.hashes[i]
-        if block_hash in self._prefix:
+        if block_hash in self._prefix or (i and self._block_hash[seq.table[i - 1]] is None):
             return
         bs = self.block_size
         parent = seq.hashes[i - 1] if i else seq.root

@@ -3,7 +3,8 @@
 Format (vLLM's `kv_events`): three frames per message: topic, sequence number (8 bytes
 big-endian, from 0, gapless), msgpack payload `[ts, events, data_parallel_rank]`. An event is a
 map tagged by "type" or an array whose first element is the tag:
-  BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name
+  BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+    then optionally extra_keys (one entry per block: None or a list) and, in a map, cache_salt
   BlockRemoved: block_hashes, medium
   AllBlocksCleared: no fields
 Hashes are 64-bit integers. Replay: send `[b"", start_seq]` to the ROUTER socket; each buffered
@@ -28,6 +29,7 @@ FIELDS = {
         "lora_id",
         "medium",
         "lora_name",
+        "extra_keys",
     ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
@@ -72,8 +74,19 @@ def decode_event(raw: Any) -> dict[str, Any]:
             raise FormatError(f"bad block_size {size!r}")
         if not isinstance(tokens, list) or len(tokens) != size * len(hashes):
             raise FormatError("token_ids must hold block_size tokens per block")
-        if event.get("lora_id") is not None or event.get("lora_name") is not None:
-            raise FormatError("pagedkv sets no LoRA")
+        if event.get("lora_id") is not None:
+            raise FormatError("pagedkv sets no lora_id (it names adapters by lora_name)")
+        if not isinstance(event.get("lora_name", ""), str | None):
+            raise FormatError(f"lora_name must be a string, got {event['lora_name']!r}")
+        extra = event.get("extra_keys")
+        if extra is not None and (
+            not isinstance(extra, list)
+            or len(extra) != len(hashes)
+            or not all(e is None or isinstance(e, list) for e in extra)
+        ):
+            raise FormatError(f"extra_keys must hold None or a list per block, got {extra!r}")
+        if not isinstance(event.get("cache_salt", ""), str):
+            raise FormatError(f"cache_salt must be a string, got {event['cache_salt']!r}")
     return event
 
 

@@ -107,16 +107,18 @@ def test_stream_index_equals_manager_tiers_after_every_step(encoding: str) -> No
     mgr = BlockManager(40, BS, num_cpu_blocks=40, enable_events=True)
     engine = Engine(mgr, seed=11)
     with KVEventPublisher.from_manager(
-        mgr, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", encoding=encoding
+        mgr,
+        "tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        encoding=encoding,
+        batch_interval=0,  # a batch per step
     ) as pub:
         sub = Subscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint)
         assert pub.wait_for_subscribers(1, timeout=10)
         try:
             for _ in range(1500):
                 engine.step()
-                events = mgr.take_events()
-                pub.publish(events)
-                if events:
+                if pub.publish_from(mgr):
                     sub.follow()
                 assert sub.index.tier("GPU") == truth(mgr, "GPU")
                 assert sub.index.tier("CPU") == truth(mgr, "CPU")
@@ -127,3 +129,46 @@ def test_stream_index_equals_manager_tiers_after_every_step(encoding: str) -> No
             sub.close()
     assert all(count > 0 for count in engine.seen.values()), engine.seen
     assert mgr.stats().evictions > 0
+
+
+def test_publish_from_drops_on_a_full_queue_and_resyncs() -> None:
+    mgr = BlockManager(64, BS, num_cpu_blocks=16, enable_events=True)
+    engine = Engine(mgr, seed=3)
+    pub = KVEventPublisher.from_manager(mgr, "tcp://127.0.0.1:*", max_queue=1, batch_interval=0)
+    sub = Subscriber(pub.endpoint, rcvhwm=0)
+    assert pub.wait_for_subscribers(1, timeout=10)
+    try:
+        taken = 0
+        for _ in range(3000):  # faster than the thread sends: the queue overflows
+            engine.step()
+            taken += pub.publish_from(mgr)
+        pub.close()
+        assert pub.dropped > 0 and pub.sent >= taken - pub.dropped
+        batches = [sub.follow() for _ in range(pub.sent)]  # gapless: follow() checks
+        assert any(b.events[0]["type"] == "AllBlocksCleared" for b in batches[1:])
+        assert sub.index.tier("GPU") <= truth(mgr, "GPU")  # a subset, never stale
+        assert sub.index.tier("CPU") <= truth(mgr, "CPU")
+    finally:
+        sub.close()
+
+
+def test_steps_within_the_batch_interval_share_a_batch_sent_without_another_call() -> None:
+    mgr = BlockManager(64, BS, enable_events=True)
+    engine = Engine(mgr, seed=4)
+    with KVEventPublisher.from_manager(mgr, "tcp://127.0.0.1:*", batch_interval=0.2) as pub:
+        sub = Subscriber(pub.endpoint)
+        assert pub.wait_for_subscribers(1, timeout=10)
+        try:
+            while not mgr.stored_hashes():
+                engine.step()
+            assert pub.publish_from(mgr)  # the first batch goes at once
+            sub.follow()
+            for _ in range(5):  # steps within the interval only leave their events
+                engine.step()
+                assert not pub.publish_from(mgr)
+            sub.follow()  # the thread sends them once the interval is over
+            assert sub.index.tier("GPU") == truth(mgr, "GPU")
+            with pytest.raises(ValueError, match="batch_interval must not be negative"):
+                KVEventPublisher.from_manager(mgr, "tcp://127.0.0.1:*", batch_interval=-1)
+        finally:
+            sub.close()

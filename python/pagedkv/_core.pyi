@@ -18,6 +18,8 @@ __all__ = [
 ]
 
 _Ints = Sequence[int] | npt.NDArray[np.integer]
+# (start, end, key): every block holding a token of start..end binds key into its hash.
+_ExtraKeys = Sequence[tuple[int, int, str]]
 
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free or evictable blocks than the operation needs; nothing changed."""
@@ -170,6 +172,12 @@ class Event:
     def block_id(self) -> int | None: ...
     @property
     def medium(self) -> Literal["GPU", "CPU"]: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def lora_name(self) -> str | None: ...
+    @property
+    def extra_keys(self) -> list[str]: ...
 
 @final
 class BlockManager:
@@ -204,7 +212,13 @@ class BlockManager:
     @property
     def events_enabled(self) -> bool: ...
     def allocate(
-        self, seq_id: int, token_ids: _Ints, *, salt: bytes | str | None = None
+        self,
+        seq_id: int,
+        token_ids: _Ints,
+        *,
+        salt: bytes | str | None = None,
+        lora_name: str | None = None,
+        extra_keys: _ExtraKeys | None = None,
     ) -> int: ...
     def allocate_loading(
         self,
@@ -213,13 +227,38 @@ class BlockManager:
         loadable_blocks: int,
         *,
         salt: bytes | str | None = None,
+        lora_name: str | None = None,
+        extra_keys: _ExtraKeys | None = None,
     ) -> tuple[int, npt.NDArray[np.int32]]: ...
     def confirm_loads(self, seq_id: int, num_loaded: int) -> None: ...
-    def block_hashes(self, token_ids: _Ints, *, salt: bytes | str | None = None) -> list[int]: ...
+    def block_hashes(
+        self,
+        token_ids: _Ints,
+        *,
+        salt: bytes | str | None = None,
+        lora_name: str | None = None,
+        extra_keys: _ExtraKeys | None = None,
+    ) -> list[int]: ...
     def stored_hashes(self, medium: Literal["GPU", "CPU"] = "GPU") -> list[int]: ...
-    def cached_prefix_blocks(self, token_ids: _Ints, *, salt: bytes | str | None = None) -> int: ...
-    def can_allocate(self, token_ids: _Ints, *, salt: bytes | str | None = None) -> bool: ...
-    def append(self, seq_id: int, token_ids: _Ints) -> None: ...
+    def cached_prefix_blocks(
+        self,
+        token_ids: _Ints,
+        *,
+        salt: bytes | str | None = None,
+        lora_name: str | None = None,
+        extra_keys: _ExtraKeys | None = None,
+    ) -> int: ...
+    def can_allocate(
+        self,
+        token_ids: _Ints,
+        *,
+        salt: bytes | str | None = None,
+        lora_name: str | None = None,
+        extra_keys: _ExtraKeys | None = None,
+    ) -> bool: ...
+    def append(
+        self, seq_id: int, token_ids: _Ints, *, extra_keys: _ExtraKeys | None = None
+    ) -> None: ...
     def step(self, seq_ids: _Ints, token_ids: _Ints) -> Plan: ...
     def step_batch(self, batch: Batch, token_ids: _Ints) -> None: ...
     def verify_batch(self, batch: Batch, token_ids: _Ints, counts: _Ints) -> None: ...
@@ -239,6 +278,14 @@ class BlockManager:
     def token_ids(self, seq_id: int) -> npt.NDArray[np.uint32]: ...
     def stats(self) -> Stats: ...
     def take_events(self) -> list[Event]: ...
+    def take_event_batch(
+        self,
+        ts: float,
+        *,
+        encoding: Literal["map", "array"] = "map",
+        data_parallel_rank: int | None = None,
+        cleared_first: bool = False,
+    ) -> bytes | None: ...
     def reset_prefix_cache(self) -> None: ...
     def check(self) -> None: ...
     def __contains__(self, key: object, /) -> bool: ...

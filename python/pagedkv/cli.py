@@ -539,6 +539,7 @@ def _kv_event_publisher(
             topic=args.kv_events_topic,
             replay_endpoint=args.kv_events_replay,
             encoding=args.kv_events_encoding,
+            batch_interval=0,  # one batch per simulated step, however fast steps run
         )
     except OSError as exc:
         raise _UsageError(str(exc)) from None

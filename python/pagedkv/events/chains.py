@@ -3,7 +3,9 @@
 `BlockManager.take_events()` reports one event per block. Routers take a chain of blocks per
 `BlockStored`: a run is a maximal sequence of consecutive stored events of one medium in which
 each event's parent is the previous event's block. Consecutive removals of one medium become
-one `BlockRemoved`.
+one `BlockRemoved`. Each block's `extra_keys` entry is its sequence's LoRA adapter, its own
+extra keys, then (a sequence's first block only) the salt; events without those attributes
+have none. `BlockManager.take_event_batch` groups and encodes the same way in Rust.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def to_wire(events: Iterable[CoreEvent], block_size: int) -> list[WireEvent]:
         if kind == "stored":
             block = _hash_of(event)
             parent = event.parent_hash
+            lora_name = getattr(event, "lora_name", None)
+            salt = getattr(event, "cache_salt", None)
+            keys = [
+                *([lora_name] if lora_name is not None else []),
+                *getattr(event, "extra_keys", []),
+                *([salt] if salt is not None and parent is None else []),
+            ]
             if (
                 isinstance(last, BlockStored)
                 and parent is not None
@@ -54,15 +63,19 @@ def to_wire(events: Iterable[CoreEvent], block_size: int) -> list[WireEvent]:
                 last.block_hashes.append(wire_hash(block))
                 last.token_ids.extend(event.token_ids)
             else:
-                out.append(
-                    BlockStored(
-                        [wire_hash(block)],
-                        None if parent is None else wire_hash(parent),
-                        list(event.token_ids),
-                        block_size,
-                        event.medium,
-                    )
+                last = BlockStored(
+                    [wire_hash(block)],
+                    None if parent is None else wire_hash(parent),
+                    list(event.token_ids),
+                    block_size,
+                    event.medium,
+                    lora_name=lora_name,
+                    cache_salt=salt,
+                    extra_keys=[],
                 )
+                out.append(last)
+            assert last.extra_keys is not None
+            last.extra_keys.append(keys or None)
             run_tail = block
         elif kind == "removed":
             block = wire_hash(_hash_of(event))
@@ -76,6 +89,9 @@ def to_wire(events: Iterable[CoreEvent], block_size: int) -> list[WireEvent]:
             run_tail = None
         else:
             raise ValueError(f"unknown event kind {kind!r}")
+    for wire in out:  # vLLM leaves the field out when no block has extra keys
+        if isinstance(wire, BlockStored) and not any(wire.extra_keys or []):
+            wire.extra_keys = None
     return out
 
 

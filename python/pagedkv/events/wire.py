@@ -4,7 +4,12 @@ A message on the PUB socket has three frames: the topic, the sequence number (8 
 big-endian) and the payload, a msgpack array `[ts, events, data_parallel_rank]`. Each event is
 a map tagged by `"type"` (`encoding="map"`, what current vLLM writes) or an array whose first
 element is the tag (`encoding="array"`, what older vLLM wrote and llm-d's decoder reads).
-Block hashes are unsigned 64-bit integers (`wire_hash`), the same value in every event.
+Block hashes are unsigned 64-bit integers (`wire_hash`), the same value in every event. A
+chain carries its LoRA adapter as `lora_name`, its salt's string form as `cache_salt` (map
+encoding), and `extra_keys` as vLLM writes them (both encodings): per block, the LoRA adapter,
+the block's extra keys, then (a sequence's first block only) the salt.
+`BlockManager.take_event_batch` writes the same bytes in Rust; this module encodes event
+lists built in Python.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class BlockStored:
     medium: str = "GPU"
     lora_id: int | None = None
     lora_name: str | None = None
+    cache_salt: str | None = None  # the salt's string form, None when unsalted
+    extra_keys: list[list[str] | None] | None = None  # per block; None: no block has any
 
 
 @dataclass(slots=True)
@@ -57,10 +64,10 @@ WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def _as_map(event: WireEvent) -> dict[str, Any]:
-    # vLLM omits only fields declared with a default (extra_keys, group_idx, ...), which we
-    # never set; lora_id, medium and lora_name have none there, so they are always written.
+    # vLLM omits fields declared with a default (extra_keys, group_idx, ...) when unset;
+    # lora_id, medium and lora_name have none there, so they are always written.
     if isinstance(event, BlockStored):
-        return {
+        fields: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": event.block_hashes,
             "parent_block_hash": event.parent_block_hash,
@@ -70,6 +77,11 @@ def _as_map(event: WireEvent) -> dict[str, Any]:
             "medium": event.medium,
             "lora_name": event.lora_name,
         }
+        if event.extra_keys is not None:
+            fields["extra_keys"] = event.extra_keys
+        if event.cache_salt is not None:
+            fields["cache_salt"] = event.cache_salt
+        return fields
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
     return {"type": "AllBlocksCleared"}
@@ -77,7 +89,7 @@ def _as_map(event: WireEvent) -> dict[str, Any]:
 
 def _as_array(event: WireEvent) -> list[Any]:
     if isinstance(event, BlockStored):
-        return [
+        fields = [
             "BlockStored",
             event.block_hashes,
             event.parent_block_hash,
@@ -87,6 +99,7 @@ def _as_array(event: WireEvent) -> list[Any]:
             event.medium,
             event.lora_name,
         ]
+        return fields if event.extra_keys is None else [*fields, event.extra_keys]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     return ["AllBlocksCleared"]

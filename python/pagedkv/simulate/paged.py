@@ -26,7 +26,7 @@ VOCAB = 32000  # token ids are drawn below this; any value works, only equality 
 # our assumption of how often beams are overtaken; it sets how much history beams share.
 BEAM_KEEP_PROBABILITY = 0.5
 
-EventSink = Callable[[BlockManager], None]  # called after each step, e.g. publish_from
+EventSink = Callable[[BlockManager], object]  # called after each step, e.g. publish_from
 
 
 def _output_tokens(

@@ -1,6 +1,8 @@
 //! Prefix-cache events for KV-aware routers: which computed blocks entered and left each tier
 //! (the GPU pool and the CPU swap pool), in order.
 
+use std::sync::Arc;
+
 use crate::prefix::BlockHash;
 use crate::sync::{lock, Mutex};
 use crate::{BlockId, PoolKind, Token};
@@ -30,6 +32,12 @@ pub enum EventKind {
         block_id: BlockId,
         /// The tier: `Gpu` or `Cpu`.
         medium: PoolKind,
+        /// The salt of the sequence that stored it (bound into its hash).
+        salt: Option<Arc<[u8]>>,
+        /// The LoRA adapter of the sequence that stored it (bound into its hash).
+        lora_name: Option<Arc<str>>,
+        /// The block's extra keys (bound into its hash), in order.
+        extra_keys: Vec<String>,
     },
     /// `medium` no longer holds `block_hash`: a cached GPU block was evicted, or the last CPU
     /// copy of the hash left the CPU pool.

@@ -65,6 +65,7 @@ mod cpu_tier;
 mod error;
 mod events;
 mod free_list;
+mod keys;
 mod lru;
 mod manager;
 mod plan;
@@ -74,17 +75,21 @@ mod prefix_map;
 mod sequence;
 mod stats;
 mod sync;
+mod wire;
 
 pub use batch::{Batch, TableUpdates};
 pub use config::{Attention, Config};
 pub use error::{Error, PoolKind};
 pub use events::{Event, EventKind};
+pub use keys::{ExtraKey, HashKeys};
 pub use manager::{BlockManager, HybridManager};
+
 pub use plan::Plan;
 #[doc(hidden)]
 pub use pool::bench as pool_bench;
 pub use prefix::BlockHash;
 pub use stats::Stats;
+pub use wire::{cache_salt, encode_batch, wire_hash, BatchHeader, Encoding};
 
 /// Physical block id, `0..num_blocks`.
 pub type BlockId = u32;

@@ -252,6 +252,14 @@ impl BlockManager {
         self.events.take()
     }
 
+    /// Takes the recorded events and appends them to `out` as one msgpack `EventBatch`
+    /// ([`crate::encode_batch`]); returns how many events it took.
+    pub fn take_event_batch(&self, header: &crate::BatchHeader, out: &mut Vec<u8>) -> usize {
+        let events = self.events.take();
+        crate::encode_batch(header, &events, out);
+        events.len()
+    }
+
     fn next_stamp(&self) -> u64 {
         self.stamps.fetch_add(1, Ordering::Relaxed) + 1
     }
@@ -300,9 +308,16 @@ impl BlockManager {
         s.table_changed();
     }
 
-    /// Whether this manager records events: only group 0 of a hybrid manager does.
+    /// Whether this manager's blocks are announced by events: only a full-attention group 0
+    /// (a windowed one releases blocks whose children it still holds, which a router's tree
+    /// cannot follow).
+    fn announces(&self) -> bool {
+        self.group == 0 && self.config.attention == Attention::Full
+    }
+
+    /// Whether this manager records events.
     fn publishes(&self) -> bool {
-        self.group == 0 && self.events.enabled()
+        self.announces() && self.events.enabled()
     }
 
     /// Releases a CPU block table, last block first; a freed block leaves the CPU tier.
@@ -422,7 +437,7 @@ impl BlockManager {
         if evicted {
             if let Some(prefix) = &self.prefix {
                 prefix.unregister(block, || {
-                    if prefix.group_of(block) != 0 {
+                    if prefix.group_of(block) != 0 || !self.announces() {
                         return;
                     }
                     self.events.record(|| EventKind::BlockRemoved {

@@ -14,6 +14,10 @@
 //!   stable across processes and hard to forge, so it stays BLAKE3; a registered block keeps
 //!   its chaining value, and a hit reads it instead of hashing the prompt again.
 //!
+//! A block with extra keys ([`crate::keys`]) binds their digest into both: its BLAKE3 input
+//! starts with it, and its map key hashes a *link* (a keyed BLAKE3 of the parent key and the
+//! digest) in place of the parent key; the registration stores the link, so a hit verifies it.
+//!
 //! A prompt is hashed before its admission takes any lock ([`PromptHashes`]), and a retry after
 //! a lost race reuses its map keys.
 
@@ -21,6 +25,7 @@ use xxhash_rust::xxh3::xxh3_128_with_secret;
 
 use crate::block::BlockState;
 use crate::bookkeeping::{try_boxed, TooLarge};
+use crate::keys::{digest_of, Digest, HashKeys};
 use crate::pool::BlockPool;
 use crate::prefix_map::{PrefixMap, Region};
 use crate::sync::{AtomicU64, Ordering};
@@ -138,6 +143,8 @@ pub(crate) struct PromptHashes {
     pub(crate) chains: Vec<Chain>,
     /// Verified hits, with the state each was verified in (for `acquire_hits`).
     pub(crate) hits: Vec<(BlockId, BlockState)>,
+    /// The extra keys' digest of every full block (empty when the prompt has none).
+    digests: Vec<Option<Digest>>,
     /// Hits with refcount 0 (CACHED): taking them uses up an available block.
     pub(crate) cached_hits: usize,
     /// The logical block the hits start at (0 but for windowed attention).
@@ -168,7 +175,8 @@ impl PromptHashes {
         let mut parent = root_key(&self.root);
         for (i, &key) in self.keys.iter().enumerate().take(hittable) {
             let block_tokens = &tokens[i * bs..(i + 1) * bs];
-            let Some((block, state)) = prefix.find(pool, key, parent, block_tokens) else {
+            let link = prefix.link(parent, self.digest(i));
+            let Some((block, state)) = prefix.find(pool, key, link, block_tokens) else {
                 break;
             };
             self.cached_hits += usize::from(state.refcount() == 0);
@@ -195,24 +203,25 @@ impl PromptHashes {
     ) -> usize {
         let bs = prefix.block_size;
         let mut found: Vec<Option<Option<(BlockId, BlockState)>>> = vec![None; upto];
+        let (root, keys, digests) = (root_key(&self.root), &self.keys, &self.digests);
         let mut probe = |i: usize| {
             *found[i].get_or_insert_with(|| {
-                let parent = if i == 0 {
-                    root_key(&self.root)
-                } else {
-                    self.keys[i - 1]
-                };
-                prefix.find(pool, self.keys[i], parent, &tokens[i * bs..(i + 1) * bs])
+                let parent = if i == 0 { root } else { keys[i - 1] };
+                let digest = digests.get(i).and_then(Option::as_ref);
+                let link = prefix.link(parent, digest);
+                prefix.find(pool, keys[i], link, &tokens[i * bs..(i + 1) * bs])
             })
         };
         let mut k = upto;
         while let Some(miss) = (first(k)..k).rev().find(|&i| probe(i).is_none()) {
             k = miss;
         }
-        self.first = if k == 0 { 0 } else { first(k) };
-        self.hits.clear();
-        self.hits
-            .extend((self.first..k).map(|i| probe(i).expect("verified above")));
+        let start = if k == 0 { 0 } else { first(k) };
+        let hits: Vec<_> = (start..k)
+            .map(|i| probe(i).expect("verified above"))
+            .collect();
+        self.first = start;
+        self.hits = hits;
         self.cached_hits = (self.hits.iter())
             .filter(|(_, state)| state.refcount() == 0)
             .count();
@@ -241,11 +250,15 @@ impl PromptHashes {
             .enumerate()
             .skip(from)
         {
-            chain = prefix.hash_block(&chain, block_tokens);
+            chain = prefix.hash_block(&chain, block_tokens, self.digest(i));
             self.chains[i] = chain;
         }
         self.computed_from = from;
         self.base = base;
+    }
+
+    fn digest(&self, i: usize) -> Option<&Digest> {
+        self.digests.get(i).and_then(Option::as_ref)
     }
 }
 
@@ -267,7 +280,7 @@ impl PrefixCache {
         Ok(PrefixCache {
             key,
             secret,
-            unsalted_root: root_of(&key, None),
+            unsalted_root: root_of(&key, None, None),
             block_size: block_size as usize,
             map: PrefixMap::new(num_blocks)?,
             words,
@@ -276,16 +289,29 @@ impl PrefixCache {
     }
 
     /// The chaining value before a sequence's first block in `group`: binds the key, the tenant
-    /// salt and, past group 0, the group (whose blocks hold other layers' KV).
-    pub(crate) fn root(&self, salt: Option<&[u8]>, group: u8) -> Chain {
-        let root = match salt {
-            None => self.unsalted_root,
-            Some(_) => root_of(&self.key, salt),
+    /// salt, the LoRA adapter and, past group 0, the group (whose blocks hold other layers' KV).
+    pub(crate) fn root(&self, keys: &HashKeys<'_>, group: u8) -> Chain {
+        let root = match (keys.salt, keys.lora_name) {
+            (None, None) => self.unsalted_root,
+            (salt, lora) => root_of(&self.key, salt, lora),
         };
         match group {
             0 => root,
             _ => *blake3::keyed_hash(&root, &[b'g', group]).as_bytes(),
         }
+    }
+
+    /// What a block's map key and registration name as its parent: the parent's key, or with
+    /// extra keys a keyed hash of it and their digest.
+    pub(crate) fn link(&self, parent: MapKey, digest: Option<&Digest>) -> MapKey {
+        let Some(digest) = digest else {
+            return parent;
+        };
+        let mut hasher = blake3::Hasher::new_keyed(&self.key);
+        hasher.update(b"pagedkv/link");
+        hasher.update(&parent.to_le_bytes()).update(digest);
+        let out = hasher.finalize();
+        u128::from_le_bytes(out.as_bytes()[..16].try_into().expect("16 bytes"))
     }
 
     /// A public 64-bit fingerprint of the key: equal for managers that hash alike, and reveals
@@ -295,9 +321,14 @@ impl PrefixCache {
         u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
     }
 
-    /// The BLAKE3 chaining value of one full block after `parent`.
-    pub(crate) fn hash_block(&self, parent: &Chain, tokens: &[Token]) -> Chain {
-        with_bytes(&[], tokens, |bytes| {
+    /// The BLAKE3 chaining value of one full block after `parent`, with its extra keys' digest.
+    pub(crate) fn hash_block(
+        &self,
+        parent: &Chain,
+        tokens: &[Token],
+        digest: Option<&Digest>,
+    ) -> Chain {
+        with_bytes(digest.map_or(&[][..], |d| &d[..]), tokens, |bytes| {
             *blake3::keyed_hash(parent, bytes).as_bytes()
         })
     }
@@ -315,15 +346,22 @@ impl PrefixCache {
     pub(crate) fn hash_prompt(
         &self,
         tokens: &[Token],
-        salt: Option<&[u8]>,
+        with: &HashKeys<'_>,
         group: u8,
     ) -> PromptHashes {
-        let root = self.root(salt, group);
+        let root = self.root(with, group);
         let full = tokens.len() / self.block_size;
+        let digests: Vec<Option<Digest>> = match with.extra_keys {
+            [] => Vec::new(),
+            spans => (0..full)
+                .map(|i| digest_of(spans, i, self.block_size))
+                .collect(),
+        };
         let mut keys = Vec::with_capacity(full);
         let mut key = root_key(&root);
-        for block_tokens in tokens.chunks_exact(self.block_size) {
-            key = self.key_block(key, block_tokens);
+        for (i, block_tokens) in tokens.chunks_exact(self.block_size).enumerate() {
+            let digest = digests.get(i).and_then(Option::as_ref);
+            key = self.key_block(self.link(key, digest), block_tokens);
             keys.push(key);
         }
         let mut chains = Vec::with_capacity(full);
@@ -333,6 +371,7 @@ impl PrefixCache {
             keys,
             chains,
             hits: Vec::new(),
+            digests,
             cached_hits: 0,
             first: 0,
             publishes: group == 0,
@@ -347,15 +386,22 @@ impl PrefixCache {
         &self,
         pool: &BlockPool,
         tokens: &[Token],
-        salt: Option<&[u8]>,
+        with: &HashKeys<'_>,
         group: u8,
         hittable: usize,
     ) -> (usize, usize) {
         let (mut hits, mut cached) = (0, 0);
-        let mut parent = root_key(&self.root(salt, group));
-        for block_tokens in tokens.chunks_exact(self.block_size).take(hittable) {
-            let key = self.key_block(parent, block_tokens);
-            let Some((_, state)) = self.find(pool, key, parent, block_tokens) else {
+        let mut parent = root_key(&self.root(with, group));
+        for (i, block_tokens) in tokens.chunks_exact(self.block_size).enumerate() {
+            if i == hittable {
+                break;
+            }
+            let link = self.link(
+                parent,
+                digest_of(with.extra_keys, i, self.block_size).as_ref(),
+            );
+            let key = self.key_block(link, block_tokens);
+            let Some((_, state)) = self.find(pool, key, link, block_tokens) else {
                 break;
             };
             hits += 1;
@@ -478,10 +524,11 @@ impl PrefixCache {
         block_hash_of(&self.chain_of(block))
     }
 
-    /// Registers `block` (held by the caller, full) under `key` unless the key is already
-    /// mapped (or, against all odds for keyed hashes, its region of the map is full); then
-    /// `publish` (flag the block, record the event) runs under the region's lock once the
-    /// contents are written, so a reset or an eviction of the same key is ordered with it.
+    /// Registers `block` (held by the caller, full) under `key` if `linked` (its parent is
+    /// registered, checked under the region's lock so a reset is ordered with it) and the key
+    /// is not mapped yet (nor, against all odds for keyed hashes, its region of the map full);
+    /// then `publish` (flag the block, record the event) runs under the lock once the contents
+    /// are written, so a reset or an eviction of the same key is ordered with it.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn register(
         &self,
@@ -491,9 +538,13 @@ impl PrefixCache {
         chain: &Chain,
         tokens: &[Token],
         group: u8,
+        linked: impl FnOnce() -> bool,
         publish: impl FnOnce(),
     ) {
         let mut region = self.map.lock(key);
+        if !linked() {
+            return;
+        }
         let Some(vacancy) = region.vacancy(key, |block| self.key_of(block)) else {
             return;
         };
@@ -547,8 +598,9 @@ impl PrefixCache {
     }
 }
 
-/// `BLAKE3_keyed(key, "pagedkv/root" || salt)`, with the salt's presence and length bound in.
-fn root_of(key: &[u8; 32], salt: Option<&[u8]>) -> Chain {
+/// `BLAKE3_keyed(key, "pagedkv/root" || salt || lora)`, with the salt's presence and length
+/// bound in, then (only if there is one) the LoRA adapter's length and name.
+fn root_of(key: &[u8; 32], salt: Option<&[u8]>, lora: Option<&str>) -> Chain {
     let mut hasher = blake3::Hasher::new_keyed(key);
     hasher.update(b"pagedkv/root");
     match salt {
@@ -558,6 +610,11 @@ fn root_of(key: &[u8; 32], salt: Option<&[u8]>) -> Chain {
             .update(&(salt.len() as u64).to_le_bytes())
             .update(salt),
     };
+    if let Some(lora) = lora {
+        hasher
+            .update(&(lora.len() as u64).to_le_bytes())
+            .update(lora.as_bytes());
+    }
     *hasher.finalize().as_bytes()
 }
 

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::keys::SequenceKeys;
 use crate::prefix::{block_hash_of, root_key, BlockHash, Chain, MapKey};
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 use crate::{BlockId, SeqId, Token};
@@ -60,6 +61,8 @@ pub(crate) struct Sequence {
     /// Tokens of the prompt it was admitted with: a windowed manager keeps the blocks a later
     /// request needs to resume there ahead of other released blocks.
     pub(crate) prompt_len: usize,
+    /// What its hashes bind besides the tokens (the root binds the salt and LoRA adapter).
+    pub(crate) extra: SequenceKeys,
 }
 
 /// One copy-on-write copy a sequence still depends on.
@@ -93,6 +96,7 @@ impl Sequence {
             keys,
             hashes,
             root,
+            extra: SequenceKeys::default(),
             swapped: false,
             shared_tail: false,
             stamp: 0,

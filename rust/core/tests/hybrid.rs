@@ -301,7 +301,8 @@ fn drafts_release_window_blocks_only_once_accepted() {
     batch.add(1).unwrap();
     // The last sampled token at 7 and four drafts: query 7 reads 4..=7, so block 0 goes, but
     // block 1, which only the drafts' windows leave behind, stays.
-    mgr.verify_batch(&mut batch, &[8, 9, 10, 11, 12], &[5]).unwrap();
+    mgr.verify_batch(&mut batch, &[8, 9, 10, 11, 12], &[5])
+        .unwrap();
     assert_eq!(mgr.first_block(1).unwrap(), 1);
     // Every draft rejected: the next query (8) reads 5..=8, still in block 1.
     mgr.rollback_batch(&mut batch, &[4]).unwrap();

@@ -331,6 +331,10 @@ impl Model {
         if !s.swapped && s.swap_source.is_none() && s.loading.is_none() {
             let full = s.computed / self.bs;
             for i in s.registered..full {
+                // Only under its own registered block: one tree (SEMANTICS.md).
+                if i > 0 && self.hash[s.table[i - 1] as usize].is_none() {
+                    continue;
+                }
                 self.register(&s.salt, &s.tokens, s.table[i], i);
             }
             s.registered = s.registered.max(full);
@@ -1886,6 +1890,9 @@ impl Harness {
                         token_ids,
                         block_id,
                         medium,
+                        salt: event_salt,
+                        lora_name,
+                        extra_keys,
                     },
                     ModelEvent::Stored {
                         key,
@@ -1898,6 +1905,8 @@ impl Harness {
                     prop_assert_eq!((block_id, medium), (m_block, m_medium), "stored where");
                     self.binding.bind(key, *block_hash)?;
                     let (salt, prefix) = key;
+                    prop_assert_eq!(event_salt.as_deref(), salt.as_deref(), "the event's salt");
+                    prop_assert!(lora_name.is_none() && extra_keys.is_empty(), "no keys");
                     if prefix.len() > bs {
                         let parent = (salt.clone(), prefix[..prefix.len() - bs].to_vec());
                         let Some(parent_hash) = parent_hash else {
@@ -1968,6 +1977,14 @@ impl Harness {
                 Ok(m.table.clone())
             };
             prop_assert_eq!(real.block_table(s), table, "block table of {}", s);
+        }
+        let bs = real.config().block_size as usize;
+        for (salt, prefix) in model.prefix.keys() {
+            let parent = (salt.clone(), prefix[..prefix.len() - bs].to_vec());
+            prop_assert!(
+                prefix.len() == bs || model.prefix.contains_key(&parent),
+                "a registered block's parent is registered (one tree)"
+            );
         }
         let (r, m) = (real.stats(), model.stats());
         prop_assert_eq!(r.num_blocks, m.num_blocks);

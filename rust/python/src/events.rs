@@ -4,7 +4,8 @@ use pyo3::prelude::*;
 
 use pagedkv as core;
 
-/// One change of a tier: kind "stored", "removed" or "cleared"; medium "GPU" or "CPU".
+/// One change of a tier: kind "stored", "removed" or "cleared"; medium "GPU" or "CPU"; for a
+/// stored block, its sequence's salt (wire form) and LoRA adapter, and its own extra keys.
 #[pyclass(frozen, get_all, module = "pagedkv._core")]
 pub(crate) struct Event {
     kind: &'static str,
@@ -14,6 +15,9 @@ pub(crate) struct Event {
     token_ids: Vec<u32>,
     block_id: Option<u32>,
     medium: &'static str,
+    cache_salt: Option<String>,
+    lora_name: Option<String>,
+    extra_keys: Vec<String>,
 }
 
 /// How events name a pool.
@@ -26,6 +30,7 @@ fn medium(pool: core::PoolKind) -> &'static str {
 
 impl From<core::Event> for Event {
     fn from(event: core::Event) -> Event {
+        let (mut cache_salt, mut lora_name, mut extra_keys) = (None, None, Vec::new());
         let (kind, block_hash, parent_hash, token_ids, block_id, medium) = match event.kind {
             core::EventKind::BlockStored {
                 block_hash,
@@ -33,14 +38,22 @@ impl From<core::Event> for Event {
                 token_ids,
                 block_id,
                 medium: pool,
-            } => (
-                "stored",
-                Some(block_hash),
-                parent_hash,
-                token_ids,
-                Some(block_id),
-                medium(pool),
-            ),
+                salt,
+                lora_name: lora,
+                extra_keys: keys,
+            } => {
+                cache_salt = salt.as_deref().map(core::cache_salt);
+                lora_name = lora.as_deref().map(str::to_owned);
+                extra_keys = keys;
+                (
+                    "stored",
+                    Some(block_hash),
+                    parent_hash,
+                    token_ids,
+                    Some(block_id),
+                    medium(pool),
+                )
+            }
             core::EventKind::BlockRemoved {
                 block_hash,
                 block_id,
@@ -63,6 +76,9 @@ impl From<core::Event> for Event {
             token_ids,
             block_id,
             medium,
+            cache_salt,
+            lora_name,
+            extra_keys,
         }
     }
 }
@@ -72,14 +88,18 @@ impl Event {
     fn __repr__(&self) -> String {
         format!(
             "Event(kind={:?}, seq_no={}, medium={:?}, block_id={:?}, block_hash={:?}, \
-             parent_hash={:?}, token_ids={:?})",
+             parent_hash={:?}, token_ids={:?}, cache_salt={:?}, lora_name={:?}, \
+             extra_keys={:?})",
             self.kind,
             self.seq_no,
             self.medium,
             self.block_id,
             self.block_hash,
             self.parent_hash,
-            self.token_ids
+            self.token_ids,
+            self.cache_salt,
+            self.lora_name,
+            self.extra_keys
         )
     }
 }

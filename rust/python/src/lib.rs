@@ -5,6 +5,7 @@ mod batch;
 mod conversions;
 mod events;
 mod hybrid;
+mod keys;
 mod manager;
 mod plan;
 mod stats;

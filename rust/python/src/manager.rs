@@ -4,15 +4,15 @@
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use pagedkv as core;
 
 use crate::attention::Attention;
 use crate::batch::Batch;
-use crate::conversions::{
-    integer, integers, pairs, salt_bytes, seq_id, seq_ids, to_py, token_ids, Count,
-};
+use crate::conversions::{integer, integers, pairs, seq_id, seq_ids, to_py, token_ids, Count};
 use crate::events::Event;
+use crate::keys::{extra_keys_of, Keys};
 use crate::plan::{Plan, PlanPool};
 use crate::stats::Stats;
 
@@ -117,26 +117,31 @@ impl BlockManager {
     }
 
     /// Admits a sequence with its prompt; returns the prompt tokens reused from the prefix cache.
-    #[pyo3(signature = (seq_id, token_ids, *, salt = None))]
+    #[pyo3(signature = (seq_id, token_ids, *, salt = None, lora_name = None, extra_keys = None))]
     fn allocate(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (id, tokens, salt) = (
+        let (id, tokens, keys) = (
             self::seq_id(seq_id)?,
             self::token_ids(token_ids)?,
-            salt_bytes(salt)?,
+            Keys::new(salt, lora_name, extra_keys)?,
         );
-        py.detach(|| self.inner.allocate(id, &tokens, salt.as_deref()))
+        py.detach(|| self.inner.allocate_keyed(id, &tokens, &keys.get()))
             .map_err(to_py)
     }
 
     /// Admits a sequence whose prompt blocks `0..loadable_blocks` are on the GPU or in an
     /// external store; returns the GPU-reused tokens and the int32 GPU blocks to load.
-    #[pyo3(signature = (seq_id, token_ids, loadable_blocks, *, salt = None))]
+    #[pyo3(signature = (
+        seq_id, token_ids, loadable_blocks, *, salt = None, lora_name = None, extra_keys = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn allocate_loading<'py>(
         &self,
         py: Python<'py>,
@@ -144,17 +149,19 @@ impl BlockManager {
         token_ids: &Bound<'py, PyAny>,
         loadable_blocks: &Bound<'py, PyAny>,
         salt: Option<&Bound<'py, PyAny>>,
+        lora_name: Option<&Bound<'py, PyAny>>,
+        extra_keys: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(usize, Bound<'py, PyArray1<i32>>)> {
-        let (id, tokens, salt) = (
+        let (id, tokens, keys) = (
             self::seq_id(seq_id)?,
             self::token_ids(token_ids)?,
-            salt_bytes(salt)?,
+            Keys::new(salt, lora_name, extra_keys)?,
         );
         let loadable_blocks = integer::<u64>(loadable_blocks, "loadable_blocks")? as usize;
         let (reused, blocks) = py
             .detach(|| {
                 self.inner
-                    .allocate_loading(id, &tokens, loadable_blocks, salt.as_deref())
+                    .allocate_loading_keyed(id, &tokens, loadable_blocks, &keys.get())
             })
             .map_err(to_py)?;
         let blocks: Vec<i32> = blocks.into_iter().map(|b| b as i32).collect();
@@ -174,15 +181,18 @@ impl BlockManager {
     }
 
     /// The 128-bit chained hashes of the prompt's full blocks.
-    #[pyo3(signature = (token_ids, *, salt = None))]
+    #[pyo3(signature = (token_ids, *, salt = None, lora_name = None, extra_keys = None))]
     fn block_hashes(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u128>> {
-        let (tokens, salt) = (self::token_ids(token_ids)?, salt_bytes(salt)?);
-        py.detach(|| self.inner.block_hashes(&tokens, salt.as_deref()))
+        let tokens = self::token_ids(token_ids)?;
+        let keys = Keys::new(salt, lora_name, extra_keys)?;
+        py.detach(|| self.inner.block_hashes_keyed(&tokens, &keys.get()))
             .map_err(to_py)
     }
 
@@ -194,15 +204,19 @@ impl BlockManager {
     }
 
     /// Leading full blocks of the prompt the GPU prefix cache holds now.
-    #[pyo3(signature = (token_ids, *, salt = None))]
+    #[pyo3(signature = (token_ids, *, salt = None, lora_name = None, extra_keys = None))]
     fn cached_prefix_blocks(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (tokens, salt) = (self::token_ids(token_ids)?, salt_bytes(salt)?);
-        Ok(py.detach(|| self.inner.cached_prefix_blocks(&tokens, salt.as_deref())))
+        let tokens = self::token_ids(token_ids)?;
+        let keys = Keys::new(salt, lora_name, extra_keys)?;
+        py.detach(|| self.inner.cached_prefix_blocks_keyed(&tokens, &keys.get()))
+            .map_err(to_py)
     }
 
     /// 16 hex digits identifying the hash key (None without prefix caching).
@@ -226,21 +240,34 @@ impl BlockManager {
     }
 
     /// Whether the prompt would fit now while keeping the watermark free.
-    #[pyo3(signature = (token_ids, *, salt = None))]
+    #[pyo3(signature = (token_ids, *, salt = None, lora_name = None, extra_keys = None))]
     fn can_allocate(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let (tokens, salt) = (self::token_ids(token_ids)?, salt_bytes(salt)?);
-        Ok(py.detach(|| self.inner.can_allocate(&tokens, salt.as_deref())))
+        let tokens = self::token_ids(token_ids)?;
+        let keys = Keys::new(salt, lora_name, extra_keys)?;
+        py.detach(|| self.inner.can_allocate_keyed(&tokens, &keys.get()))
+            .map_err(to_py)
     }
 
     /// Appends tokens to a sequence (copy-on-write of a shared last block).
-    fn append(&self, seq_id: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    #[pyo3(signature = (seq_id, token_ids, *, extra_keys = None))]
+    fn append(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let (id, tokens) = (self::seq_id(seq_id)?, self::token_ids(token_ids)?);
-        self.inner.append(id, &tokens).map_err(to_py)
+        let extra_keys = extra_keys_of(extra_keys)?;
+        self.inner
+            .append_keyed(id, &tokens, &extra_keys)
+            .map_err(to_py)
     }
 
     /// One decode token per sequence, then the plan of that step.
@@ -436,6 +463,47 @@ impl BlockManager {
             .into_iter()
             .map(Event::from)
             .collect()
+    }
+
+    /// Takes the events since the last take as one encoded msgpack `EventBatch` (the bytes a
+    /// KV event publisher sends), or None when there are none and `cleared_first` is false.
+    #[pyo3(signature = (ts, *, encoding = "map", data_parallel_rank = None, cleared_first = false))]
+    fn take_event_batch<'py>(
+        &self,
+        py: Python<'py>,
+        ts: f64,
+        encoding: &str,
+        data_parallel_rank: Option<i64>,
+        cleared_first: bool,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let encoding = match encoding {
+            "map" => core::Encoding::Map,
+            "array" => core::Encoding::Array,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "encoding must be 'map' or 'array', got {encoding:?}"
+                )))
+            }
+        };
+        let data_parallel_rank = data_parallel_rank
+            .map(|rank| {
+                u32::try_from(rank).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "data_parallel_rank must be in 0..2**32, got {rank}"
+                    ))
+                })
+            })
+            .transpose()?;
+        let header = core::BatchHeader {
+            ts,
+            data_parallel_rank,
+            block_size: self.inner.config().block_size,
+            encoding,
+            cleared_first,
+        };
+        let mut out = Vec::new();
+        let taken = py.detach(|| self.inner.take_event_batch(&header, &mut out));
+        Ok((taken > 0 || cleared_first).then(|| PyBytes::new(py, &out)))
     }
 
     /// Drops every prefix-cache registration; cached blocks become free.

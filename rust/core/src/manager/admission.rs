@@ -1,10 +1,13 @@
 //! Admission and the prefix cache: `allocate` (and `allocate_loading`) reuse the cached full
 //! blocks of a prompt's prefix; read-only lookups, block hashes and the cache's reset.
 
+use std::sync::Arc;
+
 use crate::block::BlockSize;
 use crate::config::Attention;
 use crate::error::invalid;
 use crate::events::EventKind;
+use crate::keys::{check_spans, digest_of, HashKeys};
 use crate::manager::{check_room, BlockManager, Taken, MAX_TOKENS};
 use crate::prefix::{block_hash_of, BlockHash, PrefixCache, PromptHashes};
 use crate::sequence::{LockedSeq, Sequence};
@@ -16,11 +19,16 @@ pub(super) struct Admission(Option<PromptHashes>);
 
 /// Fails unless a prompt can be admitted; returns how many of its full blocks a hit may cover
 /// (never the last token).
-pub(super) fn check_prompt(tokens: &[Token], bs: BlockSize) -> Result<usize, Error> {
+pub(super) fn check_prompt(
+    tokens: &[Token],
+    bs: BlockSize,
+    with: &HashKeys<'_>,
+) -> Result<usize, Error> {
     if tokens.is_empty() {
         return Err(invalid("allocate needs at least one token"));
     }
     check_room(0, tokens.len())?;
+    check_spans(with.extra_keys, 0, tokens.len())?;
     Ok(bs.index(tokens.len() - 1))
 }
 
@@ -34,7 +42,17 @@ impl BlockManager {
         tokens: &[Token],
         salt: Option<&[u8]>,
     ) -> Result<usize, Error> {
-        Ok(self.admit(seq, tokens, salt, None)?.0)
+        self.allocate_keyed(seq, tokens, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::allocate`] with a LoRA adapter and extra keys as well as a salt.
+    pub fn allocate_keyed(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        keys: &HashKeys<'_>,
+    ) -> Result<usize, Error> {
+        Ok(self.admit(seq, tokens, keys, None)?.0)
     }
 
     /// Admits `seq` like [`BlockManager::allocate`] when an external store holds more of the
@@ -49,20 +67,31 @@ impl BlockManager {
         loadable_blocks: usize,
         salt: Option<&[u8]>,
     ) -> Result<(usize, Vec<BlockId>), Error> {
-        self.admit(seq, tokens, salt, Some(loadable_blocks))
+        self.allocate_loading_keyed(seq, tokens, loadable_blocks, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::allocate_loading`] with a LoRA adapter and extra keys as well as a salt.
+    pub fn allocate_loading_keyed(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        loadable_blocks: usize,
+        keys: &HashKeys<'_>,
+    ) -> Result<(usize, Vec<BlockId>), Error> {
+        self.admit(seq, tokens, keys, Some(loadable_blocks))
     }
 
     fn admit(
         &self,
         seq: SeqId,
         tokens: &[Token],
-        salt: Option<&[u8]>,
+        with: &HashKeys<'_>,
         loadable: Option<usize>,
     ) -> Result<(usize, Vec<BlockId>), Error> {
-        let hittable = check_prompt(tokens, self.bs)?;
+        let hittable = check_prompt(tokens, self.bs, with)?;
         // The prompt is hashed before any lock is taken, so a long prompt never stalls the
         // sequences that share its shard, and a retry after a lost race hashes nothing again.
-        let mut prompt = self.hash_prompt(tokens, salt);
+        let mut prompt = self.hash_prompt(tokens, with);
         loop {
             let hit = self.find_hits(&mut prompt, tokens, hittable);
             let mut one = self.seqs.lock_one(seq);
@@ -79,14 +108,14 @@ impl BlockManager {
                 }
             };
             let needed = needed - used;
-            let admitted = (tokens, prompt, hit, hit);
+            let admitted = (tokens, with, prompt, hit, hit);
             return Ok(self.admit_locked(&mut one, admitted, table, needed, loadable));
         }
     }
 
     /// The prompt's hashes for admission (none without prefix caching).
-    pub(super) fn hash_prompt(&self, tokens: &[Token], salt: Option<&[u8]>) -> Admission {
-        Admission((self.prefix.as_ref()).map(|p| p.hash_prompt(tokens, salt, self.group)))
+    pub(super) fn hash_prompt(&self, tokens: &[Token], with: &HashKeys<'_>) -> Admission {
+        Admission((self.prefix.as_ref()).map(|p| p.hash_prompt(tokens, with, self.group)))
     }
 
     /// Finds the prompt's longest hit of at most `upto` full blocks that this manager can
@@ -134,17 +163,18 @@ impl BlockManager {
         Ok((table, used))
     }
 
-    /// Admits the sequence once `admitted`'s hits (`(tokens, prompt, hit, allowed)`: `hit`
-    /// blocks of the `allowed` this manager alone could serve) are in `table` and `needed`
+    /// Admits the sequence once `admitted`'s hits (`(tokens, keys, prompt, hit, allowed)`:
+    /// `hit` blocks of the `allowed` this manager alone could serve) are in `table` and `needed`
     /// blocks are reserved for the rest: returns the reused tokens and the blocks to load.
     pub(super) fn admit_locked(
         &self,
         one: &mut LockedSeq<'_>,
-        (tokens, prompt, hit, allowed): (&[Token], Admission, usize, usize),
+        admitted: (&[Token], &HashKeys<'_>, Admission, usize, usize),
         mut table: Vec<BlockId>,
         needed: usize,
         loadable: Option<usize>,
     ) -> (usize, Vec<BlockId>) {
+        let (tokens, with, prompt, hit, allowed) = admitted;
         let bs = self.bs;
         let (pages, hittable) = (bs.pages(tokens.len()), bs.index(tokens.len() - 1));
         let first = prompt.0.as_ref().map_or(0, |p| p.first);
@@ -167,6 +197,11 @@ impl BlockManager {
         sequence.first = first;
         if loads > 0 {
             sequence.loading = Some((hit, loads));
+        }
+        sequence.extra.spans = with.extra_keys.to_vec();
+        if self.events.enabled() {
+            sequence.extra.salt = with.salt.map(Arc::from);
+            sequence.extra.lora_name = with.lora_name.map(Arc::from);
         }
         if loadable.is_some() {
             Counters::add(
@@ -192,10 +227,21 @@ impl BlockManager {
 
     /// Whether a prompt could be admitted now while keeping the watermark in reserve.
     pub fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
+        self.fits(tokens, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::can_allocate`] with a LoRA adapter and extra keys as well as a salt;
+    /// fails on extra keys outside the tokens.
+    pub fn can_allocate_keyed(&self, tokens: &[Token], keys: &HashKeys<'_>) -> Result<bool, Error> {
+        check_spans(keys.extra_keys, 0, tokens.len())?;
+        Ok(self.fits(tokens, keys))
+    }
+
+    fn fits(&self, tokens: &[Token], keys: &HashKeys<'_>) -> bool {
         if tokens.is_empty() || tokens.len() > MAX_TOKENS {
             return false;
         }
-        let needed = self.count_hits(tokens, salt).1;
+        let needed = self.count_hits(tokens, keys).1;
         self.gpu.available() >= needed + self.watermark_blocks
     }
 
@@ -203,10 +249,25 @@ impl BlockManager {
     /// (read-only; a hit never covers the last token). With windowed attention, a prefix is
     /// served when the blocks its next query reads are cached.
     pub fn cached_prefix_blocks(&self, tokens: &[Token], salt: Option<&[u8]>) -> usize {
+        self.cached_blocks(tokens, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::cached_prefix_blocks`] with a LoRA adapter and extra keys as well; fails
+    /// on extra keys outside the tokens.
+    pub fn cached_prefix_blocks_keyed(
+        &self,
+        tokens: &[Token],
+        keys: &HashKeys<'_>,
+    ) -> Result<usize, Error> {
+        check_spans(keys.extra_keys, 0, tokens.len())?;
+        Ok(self.cached_blocks(tokens, keys))
+    }
+
+    fn cached_blocks(&self, tokens: &[Token], keys: &HashKeys<'_>) -> usize {
         if tokens.is_empty() || tokens.len() > MAX_TOKENS {
             return 0;
         }
-        self.count_hits(tokens, salt).0
+        self.count_hits(tokens, keys).0
     }
 
     /// The chained hashes of the prompt's full blocks (the values events carry).
@@ -215,15 +276,28 @@ impl BlockManager {
         tokens: &[Token],
         salt: Option<&[u8]>,
     ) -> Result<Vec<BlockHash>, Error> {
+        self.block_hashes_keyed(tokens, &HashKeys::salt(salt))
+    }
+
+    /// [`BlockManager::block_hashes`] with a LoRA adapter and extra keys as well as a salt.
+    pub fn block_hashes_keyed(
+        &self,
+        tokens: &[Token],
+        keys: &HashKeys<'_>,
+    ) -> Result<Vec<BlockHash>, Error> {
         let prefix = self
             .prefix
             .as_ref()
             .ok_or_else(|| invalid("block hashes need prefix caching"))?;
-        let mut parent = prefix.root(salt, self.group);
+        check_spans(keys.extra_keys, 0, tokens.len())?;
+        let bs = self.bs.get();
+        let mut parent = prefix.root(keys, self.group);
         Ok(tokens
-            .chunks_exact(self.bs.get())
-            .map(|block| {
-                parent = prefix.hash_block(&parent, block);
+            .chunks_exact(bs)
+            .enumerate()
+            .map(|(i, block)| {
+                let digest = digest_of(keys.extra_keys, i, bs);
+                parent = prefix.hash_block(&parent, block, digest.as_ref());
                 block_hash_of(&parent)
             })
             .collect())
@@ -266,18 +340,18 @@ impl BlockManager {
     }
 
     /// The prompt's hit in blocks and the blocks admitting it would take. Read-only.
-    fn count_hits(&self, tokens: &[Token], salt: Option<&[u8]>) -> (usize, usize) {
+    fn count_hits(&self, tokens: &[Token], keys: &HashKeys<'_>) -> (usize, usize) {
         let pages = self.bs.pages(tokens.len());
         let hittable = self.bs.index(tokens.len() - 1);
         match (&self.prefix, self.config.attention) {
             (None, _) => (0, pages),
             (Some(prefix), Attention::Full) => {
                 let (hits, cached) =
-                    prefix.count_hits(&self.gpu, tokens, salt, self.group, hittable);
+                    prefix.count_hits(&self.gpu, tokens, keys, self.group, hittable);
                 (hits, pages - hits + cached)
             }
             (Some(_), _) => {
-                let mut prompt = self.hash_prompt(tokens, salt);
+                let mut prompt = self.hash_prompt(tokens, keys);
                 let hit = self.find_hits(&mut prompt, tokens, hittable);
                 (hit, self.admission_needs(tokens, &prompt))
             }

@@ -48,6 +48,7 @@ impl BlockManager {
         copy.shared_tail = true;
         copy.first = p.first;
         copy.prompt_len = p.prompt_len;
+        copy.extra = p.extra.clone();
         for &block in &copy.table {
             self.gpu.share_held(block);
         }

@@ -9,6 +9,7 @@
 use crate::batch::Batch;
 use crate::config::{Attention, Config};
 use crate::error::invalid;
+use crate::keys::HashKeys;
 use crate::manager::admission::{check_prompt, Admission};
 use crate::manager::step::{DecodeRows, Listed};
 use crate::manager::BlockManager;
@@ -116,13 +117,14 @@ impl HybridManager {
         salt: Option<&[u8]>,
         loadable: Option<usize>,
     ) -> Result<(usize, Vec<Vec<BlockId>>), Error> {
-        let hittable = check_prompt(tokens, self.groups[0].bs)?;
+        let keys = HashKeys::salt(salt);
+        let hittable = check_prompt(tokens, self.groups[0].bs, &keys)?;
         let _held = lock(&self.lock);
         if self.groups[0].contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
         let mut prompts: Vec<Admission> = (self.groups.iter())
-            .map(|g| g.hash_prompt(tokens, salt))
+            .map(|g| g.hash_prompt(tokens, &keys))
             .collect();
         let (hit, allowed, tables) = loop {
             // Each group's own longest hit, then the longest every group serves.
@@ -164,7 +166,7 @@ impl HybridManager {
         {
             let needed = g.admission_needs(tokens, &p) - used;
             let mut one = g.seqs.lock_one(seq);
-            let admitted = (tokens, p, hit, allowed);
+            let admitted = (tokens, &keys, p, hit, allowed);
             let (_, blocks) = g.admit_locked(&mut one, admitted, table, needed, loadable);
             loads.push(blocks);
         }
@@ -436,9 +438,10 @@ impl HybridManager {
     /// The prompt's hit in blocks and the blocks admitting it would take (none for a prompt
     /// that cannot be admitted). Read-only.
     fn lookup(&self, tokens: &[Token], salt: Option<&[u8]>) -> Option<(usize, usize)> {
-        let hittable = check_prompt(tokens, self.groups[0].bs).ok()?;
+        let keys = HashKeys::salt(salt);
+        let hittable = check_prompt(tokens, self.groups[0].bs, &keys).ok()?;
         let mut prompts: Vec<Admission> = (self.groups.iter())
-            .map(|g| g.hash_prompt(tokens, salt))
+            .map(|g| g.hash_prompt(tokens, &keys))
             .collect();
         let hit = self.common_hit(&mut prompts, tokens, hittable);
         let needed = (self.groups.iter().zip(&prompts))

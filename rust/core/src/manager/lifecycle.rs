@@ -140,9 +140,10 @@ impl BlockManager {
         while s.hashes.len() < n {
             let i = s.hashes.len();
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            let key = prefix.key_block(s.parent_key(i), tokens);
+            let digest = s.extra.digest(i, bs);
+            let key = prefix.key_block(prefix.link(s.parent_key(i), digest.as_ref()), tokens);
             s.hashes.push(match self.group {
-                0 => prefix.hash_block(&s.parent_chain(i), tokens),
+                0 => prefix.hash_block(&s.parent_chain(i), tokens, digest.as_ref()),
                 _ => UNPUBLISHED,
             });
             s.keys.push(key);
@@ -150,7 +151,8 @@ impl BlockManager {
     }
 
     /// Registers the sequence's full blocks `registered..upto` (all computed) in the prefix
-    /// cache, in logical order.
+    /// cache, in logical order; a block whose parent block is not registered (its key was
+    /// taken by another copy, or a reset withdrew it) is never registered.
     fn register_full(&self, s: &mut Sequence, upto: usize) {
         let Some(prefix) = &self.prefix else {
             return;
@@ -162,14 +164,17 @@ impl BlockManager {
         // Blocks that left the attention window before their KV was computed were released
         // unregistered.
         let (from, bs) = (s.registered.max(s.first), self.bs.get());
-        let mut parent = s.parent_key(from);
+        let announced = self.announces();
         for i in from..upto {
             let (block, key, chain) = (s.block(i), s.keys[i], &s.hashes[i]);
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
-            prefix.register(block, key, parent, chain, tokens, self.group, || {
-                self.publish(s, i, block, chain, tokens);
-            });
-            parent = key;
+            let parent = prefix.link(s.parent_key(i), s.extra.digest(i, bs).as_ref());
+            // Announced blocks only under the sequence's own registered block (SEMANTICS.md,
+            // "one tree"): it holds that block, so the parent outlives the child in the cache.
+            let linked = || !announced || i == 0 || self.gpu.state(s.block(i - 1)).hashed();
+            let publish = || self.publish(s, i, block, chain, tokens);
+            let group = self.group;
+            prefix.register(block, key, parent, chain, tokens, group, linked, publish);
         }
         s.registered = upto;
     }
@@ -178,7 +183,7 @@ impl BlockManager {
     /// is written: flags it hashed and records its stored event.
     fn publish(&self, s: &Sequence, i: usize, block: BlockId, chain: &Chain, tokens: &[Token]) {
         self.gpu.mark_hashed(block);
-        if self.group != 0 {
+        if !self.announces() {
             return;
         }
         self.events.record(|| EventKind::BlockStored {
@@ -187,6 +192,9 @@ impl BlockManager {
             token_ids: tokens.to_vec(),
             block_id: block,
             medium: PoolKind::Gpu,
+            salt: s.extra.salt.clone(),
+            lora_name: s.extra.lora_name.clone(),
+            extra_keys: s.extra.of_block(i, self.bs.get()),
         });
     }
 }

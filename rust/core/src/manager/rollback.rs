@@ -107,6 +107,7 @@ impl BlockManager {
         // Held by `s` alone: a block that holds an uncommitted token has one holder.
         self.release_gpu_blocks(&s.table, s.first, pages, old);
         s.tokens.truncate(len);
+        s.extra.truncate(len);
         if pages - s.first < s.table.len() {
             s.table.truncate(pages - s.first);
             s.table_changed();

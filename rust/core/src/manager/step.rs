@@ -5,6 +5,7 @@
 use crate::batch::Batch;
 use crate::block::BlockSize;
 use crate::error::invalid;
+use crate::keys::{check_spans, ExtraKey};
 use crate::manager::{
     check_room, no_gap, not_loading, one_each, visit, visit_hinted, BlockManager, Taken,
 };
@@ -17,12 +18,24 @@ impl BlockManager {
     /// Appends tokens to a running sequence, copying a shared last block on write. The tokens'
     /// KV is pending until a plan computes it; the copy comes back with that plan.
     pub fn append(&self, seq: SeqId, tokens: &[Token]) -> Result<(), Error> {
+        self.append_keyed(seq, tokens, &[])
+    }
+
+    /// [`BlockManager::append`] with extra keys over spans of the new tokens (positions in the
+    /// sequence).
+    pub fn append_keyed(
+        &self,
+        seq: SeqId,
+        tokens: &[Token],
+        extra_keys: &[ExtraKey],
+    ) -> Result<(), Error> {
         let mut one = self.seqs.lock_one(seq);
-        let s = self.check_append(one.get(), seq, tokens)?;
+        let s = self.check_append(one.get(), seq, tokens, extra_keys)?;
         let needed = self.blocks_to_append(s, tokens.len());
         self.reserve_gpu(needed)?;
         let mut taken = Taken::default();
         self.append_reserved(s, tokens, &mut taken);
+        s.extra.spans.extend_from_slice(extra_keys);
         self.finish_taking(needed, taken);
         self.gpu.add_stored(tokens.len());
         Counters::add(&self.counters.pending_tokens, tokens.len() as u64);
@@ -33,16 +46,18 @@ impl BlockManager {
     /// it would fail.
     pub(super) fn append_needs(&self, seq: SeqId, tokens: &[Token]) -> Result<usize, Error> {
         let mut one = self.seqs.lock_one(seq);
-        let s = self.check_append(one.get(), seq, tokens)?;
+        let s = self.check_append(one.get(), seq, tokens, &[])?;
         Ok(self.blocks_to_append(s, tokens.len()))
     }
 
-    /// Checks an append of `tokens` to `seq` (found as `s`), then auto-commits the sequence.
+    /// Checks an append of `tokens` (with `extra_keys`) to `seq` (found as `s`), then
+    /// auto-commits the sequence.
     fn check_append<'s>(
         &self,
         s: Option<&'s mut Sequence>,
         seq: SeqId,
         tokens: &[Token],
+        extra_keys: &[ExtraKey],
     ) -> Result<&'s mut Sequence, Error> {
         if tokens.is_empty() {
             return Err(invalid("append needs at least one token"));
@@ -53,6 +68,8 @@ impl BlockManager {
         }
         not_loading(seq, s)?;
         check_room(s.tokens.len(), tokens.len())?;
+        let len = s.tokens.len();
+        check_spans(extra_keys, len, len + tokens.len())?;
         self.count_computed(self.auto_commit(s));
         Ok(s)
     }

@@ -65,6 +65,9 @@ impl BlockManager {
                     token_ids: s.tokens[i * bs..(i + 1) * bs].to_vec(),
                     block_id: block,
                     medium: PoolKind::Cpu,
+                    salt: s.extra.salt.clone(),
+                    lora_name: s.extra.lora_name.clone(),
+                    extra_keys: s.extra.of_block(i, bs),
                 })
             });
         }

@@ -16,9 +16,16 @@ fn one_cached_block() -> (BlockPool, PrefixCache) {
     let pool = BlockPool::new(1).unwrap();
     let prefix = PrefixCache::new([0; 32], 1, 2).unwrap();
     let block = pool.allocate().unwrap();
-    prefix.register(block, OLD, 0, &OLD_CHAIN, &OLD_TOKENS, 0, || {
-        pool.mark_hashed(block)
-    });
+    prefix.register(
+        block,
+        OLD,
+        0,
+        &OLD_CHAIN,
+        &OLD_TOKENS,
+        0,
+        || true,
+        || pool.mark_hashed(block),
+    );
     pool.release_block(block, 0);
     (pool, prefix)
 }
@@ -63,9 +70,17 @@ fn lookup_races_evict_reregister_and_revive() {
             let (block, evicted) = pool.take_reserved();
             assert!(evicted);
             prefix.unregister(block, || {});
-            prefix.register(block, NEW, 0, &NEW_CHAIN, &NEW_TOKENS, 0, || {
-                pool.mark_hashed(block)
-            });
+            prefix.register(
+                block,
+                NEW,
+                0,
+                &NEW_CHAIN,
+                &NEW_TOKENS,
+                0,
+                0,
+                || true,
+                || pool.mark_hashed(block),
+            );
             pool.release_block(block, 0);
             lookup_and_acquire(pool, prefix, NEW, &NEW_TOKENS)
         });
@@ -105,9 +120,17 @@ fn lookup_finds_an_entry_that_shifts_back() {
         let prefix = Arc::new(PrefixCache::new([0; 32], 2, 2).unwrap());
         for (key, tokens) in [(FIRST, [1, 1]), (SECOND, [2, 2])] {
             let block = pool.allocate().unwrap();
-            prefix.register(block, key, 0, &[0; 32], &tokens, 0, || {
-                pool.mark_hashed(block)
-            });
+            prefix.register(
+                block,
+                key,
+                0,
+                &[0; 32],
+                &tokens,
+                0,
+                0,
+                || true,
+                || pool.mark_hashed(block),
+            );
         }
         pool.release_block(0, 0);
         let reader = {

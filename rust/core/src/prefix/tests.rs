@@ -4,14 +4,17 @@ use super::*;
 fn hashes_chain_and_depend_on_key_and_salt() {
     let a = PrefixCache::new([1; 32], 4, 4).unwrap();
     let b = PrefixCache::new([2; 32], 4, 4).unwrap();
-    let root = a.root(None, 0);
-    assert_ne!(root, a.root(Some(b"tenant"), 0));
-    assert_ne!(a.root(Some(b""), 0), root);
-    let h = a.hash_block(&root, &[1, 2, 3, 4]);
-    assert_eq!(h, a.hash_block(&root, &[1, 2, 3, 4]));
-    assert_ne!(h, a.hash_block(&root, &[1, 2, 3, 5]));
-    assert_ne!(h, a.hash_block(&h, &[1, 2, 3, 4]));
-    assert_ne!(h, b.hash_block(&b.root(None, 0), &[1, 2, 3, 4]));
+    let root = a.root(&HashKeys::default(), 0);
+    assert_ne!(root, a.root(&HashKeys::salt(Some(b"tenant")), 0));
+    assert_ne!(a.root(&HashKeys::salt(Some(b"")), 0), root);
+    let h = a.hash_block(&root, &[1, 2, 3, 4], None);
+    assert_eq!(h, a.hash_block(&root, &[1, 2, 3, 4], None));
+    assert_ne!(h, a.hash_block(&root, &[1, 2, 3, 5], None));
+    assert_ne!(h, a.hash_block(&h, &[1, 2, 3, 4], None));
+    assert_ne!(
+        h,
+        b.hash_block(&b.root(&HashKeys::default(), 0), &[1, 2, 3, 4], None)
+    );
 }
 
 #[test]
@@ -19,13 +22,21 @@ fn map_keys_chain_and_depend_on_key_and_salt() {
     let a = PrefixCache::new([1; 32], 4, 4).unwrap();
     let b = PrefixCache::new([2; 32], 4, 4).unwrap();
     let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
-    let keys = |c: &PrefixCache, salt: Option<&[u8]>| c.hash_prompt(&tokens, salt, 0).keys;
+    let keys = |c: &PrefixCache, salt: Option<&[u8]>| {
+        c.hash_prompt(&tokens, &HashKeys::salt(salt), 0).keys
+    };
     let k = keys(&a, None);
     assert_eq!(k.len(), 2);
     assert_eq!(k, keys(&a, None));
-    assert_eq!(k[0], a.key_block(root_key(&a.root(None, 0)), &tokens[..4]));
+    assert_eq!(
+        k[0],
+        a.key_block(root_key(&a.root(&HashKeys::default(), 0)), &tokens[..4])
+    );
     assert_eq!(k[1], a.key_block(k[0], &tokens[4..]));
-    assert_ne!(k[0], a.key_block(root_key(&a.root(None, 0)), &tokens[4..]));
+    assert_ne!(
+        k[0],
+        a.key_block(root_key(&a.root(&HashKeys::default(), 0)), &tokens[4..])
+    );
     assert_ne!(k, keys(&a, Some(b"tenant")));
     assert_ne!(k, keys(&b, None));
 }
@@ -36,8 +47,11 @@ fn long_blocks_hash_all_tokens() {
     let tokens: Vec<u32> = (0..200).collect();
     let mut other = tokens.clone();
     other[199] = 7;
-    let root = c.root(None, 0);
-    assert_ne!(c.hash_block(&root, &tokens), c.hash_block(&root, &other));
+    let root = c.root(&HashKeys::default(), 0);
+    assert_ne!(
+        c.hash_block(&root, &tokens, None),
+        c.hash_block(&root, &other, None)
+    );
     assert_ne!(c.key_block(0, &tokens), c.key_block(0, &other));
 }
 
@@ -63,9 +77,9 @@ fn registrations_store_every_token() {
     for bs in [1, 3, 15, 16, 17, 32] {
         let c = PrefixCache::new([0; 32], 2, bs).unwrap();
         let tokens: Vec<Token> = (0..bs as Token).map(|t| t * 7 + 1).collect();
-        let chain = c.hash_block(&c.root(None, 0), &tokens);
-        let k = c.key_block(root_key(&c.root(None, 0)), &tokens);
-        c.register(1, k, 5, &chain, &tokens, 0, || {});
+        let chain = c.hash_block(&c.root(&HashKeys::default(), 0), &tokens, None);
+        let k = c.key_block(root_key(&c.root(&HashKeys::default(), 0)), &tokens);
+        c.register(1, k, 5, &chain, &tokens, 0, || true, || {});
         assert!(c.matches(1, k, 5, &tokens), "{bs} tokens");
         for i in 0..tokens.len() {
             let mut other = tokens.clone();
@@ -81,10 +95,19 @@ fn registrations_store_every_token() {
 #[test]
 fn register_verify_unregister() {
     let c = PrefixCache::new([0; 32], 2, 2).unwrap();
-    let chain = c.hash_block(&c.root(None, 0), &[1, 2]);
-    let k = c.key_block(root_key(&c.root(None, 0)), &[1, 2]);
-    c.register(1, k, 5, &chain, &[1, 2], 0, || {});
-    c.register(0, k, 5, &chain, &[1, 2], 0, || panic!("already mapped"));
+    let chain = c.hash_block(&c.root(&HashKeys::default(), 0), &[1, 2], None);
+    let k = c.key_block(root_key(&c.root(&HashKeys::default(), 0)), &[1, 2]);
+    c.register(1, k, 5, &chain, &[1, 2], 0, || true, || {});
+    c.register(
+        0,
+        k,
+        5,
+        &chain,
+        &[1, 2],
+        0,
+        || true,
+        || panic!("already mapped"),
+    );
     assert_eq!(c.get(k), Some(1));
     assert_eq!((c.key_of(1), c.chain_of(1)), (k, chain));
     assert_eq!(c.hash_of(1), block_hash_of(&chain));
@@ -108,7 +131,7 @@ fn every_token_of_odd_and_long_blocks_is_verified() {
         let c = PrefixCache::new([0; 32], 3, bs).unwrap();
         let tokens: Vec<Token> = (0..bs).map(|t| t * 7 + 1).collect();
         let k = c.key_block(0, &tokens);
-        c.register(2, k, 0, &[0; 32], &tokens, 0, || {});
+        c.register(2, k, 0, &[0; 32], &tokens, 0, || true, || {});
         assert!(c.matches(2, k, 0, &tokens));
         for i in 0..tokens.len() {
             let mut other = tokens.clone();
@@ -126,12 +149,16 @@ fn prompt_hashes_read_hits_and_compute_the_rest_once() {
     let pool = BlockPool::new(2).unwrap();
     let c = PrefixCache::new([3; 32], 2, 2).unwrap();
     let tokens = [1, 2, 3, 4, 5];
-    let root = c.root(None, 0);
+    let root = c.root(&HashKeys::default(), 0);
     let chains = [
-        c.hash_block(&root, &tokens[..2]),
-        c.hash_block(&c.hash_block(&root, &tokens[..2]), &tokens[2..4]),
+        c.hash_block(&root, &tokens[..2], None),
+        c.hash_block(
+            &c.hash_block(&root, &tokens[..2], None),
+            &tokens[2..4],
+            None,
+        ),
     ];
-    let mut prompt = c.hash_prompt(&tokens, None, 0);
+    let mut prompt = c.hash_prompt(&tokens, &HashKeys::default(), 0);
     prompt.find_hits(&c, &pool, &tokens, 2);
     assert!(prompt.hits.is_empty());
     assert_eq!(prompt.chains, chains);
@@ -146,6 +173,7 @@ fn prompt_hashes_read_hits_and_compute_the_rest_once() {
         &chains[0],
         &tokens[..2],
         0,
+        || true,
         || pool.mark_hashed(block),
     );
     prompt.find_hits(&c, &pool, &tokens, 2);
@@ -156,7 +184,16 @@ fn prompt_hashes_read_hits_and_compute_the_rest_once() {
     prompt.chains[1] = [9; 32]; // would be recomputed if the walk started elsewhere
     prompt.find_hits(&c, &pool, &tokens, 2);
     assert_eq!(prompt.chains[1], [9; 32]);
-    assert_eq!(c.count_hits(&pool, &tokens, None, 0, 2), (1, 0));
-    assert_eq!(c.count_hits(&pool, &tokens, None, 0, 0), (0, 0));
-    assert_eq!(c.count_hits(&pool, &tokens, Some(b"s"), 0, 2), (0, 0));
+    assert_eq!(
+        c.count_hits(&pool, &tokens, &HashKeys::default(), 0, 2),
+        (1, 0)
+    );
+    assert_eq!(
+        c.count_hits(&pool, &tokens, &HashKeys::default(), 0, 0),
+        (0, 0)
+    );
+    assert_eq!(
+        c.count_hits(&pool, &tokens, &HashKeys::salt(Some(b"s")), 0, 2),
+        (0, 0)
+    );
 }
