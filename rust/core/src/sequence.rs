@@ -58,8 +58,9 @@ pub(crate) struct Sequence {
     pub(crate) keys: Vec<MapKey>,
     /// Chaining value before block 0 (binds the key and the salt).
     pub(crate) root: Chain,
-    /// Tokens of the prompt it was admitted with: a windowed manager keeps the blocks a later
-    /// request needs to resume there ahead of other released blocks.
+    /// Tokens of its prompt (what `allocate` and the `append`s before its first decode step
+    /// added): a windowed manager keeps the blocks a later request needs to resume there ahead
+    /// of other released blocks.
     pub(crate) prompt_len: usize,
     /// What its hashes bind besides the tokens (the root binds the salt and LoRA adapter).
     pub(crate) extra: SequenceKeys,

@@ -311,3 +311,28 @@ fn drafts_release_window_blocks_only_once_accepted() {
     assert_eq!(batch.inputs().kv_indptr, vec![0, 2]);
     mgr.check().unwrap();
 }
+
+/// A prompt admitted in chunks (`allocate` of the first, `append` of the rest) ends where its
+/// decode steps begin: the window resuming there keeps its place in the eviction order.
+#[test]
+fn a_chunked_prompt_keeps_the_window_at_its_end() {
+    let mgr = windowed(14, 4, Attention::SlidingWindow(4));
+    let prompt: Vec<u32> = (100..117).collect(); // resumes after block 3
+    mgr.allocate(1, &prompt[..8], None).unwrap();
+    let mut plan = Plan::new();
+    mgr.plan(&[1], &[8], &mut plan).unwrap();
+    mgr.append(1, &prompt[8..]).unwrap();
+    mgr.plan(&[1], &[9], &mut plan).unwrap();
+    for t in 0..12 {
+        mgr.step(&[1], &[t], &mut plan).unwrap();
+    }
+    mgr.commit(&[1], None).unwrap();
+    assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 4);
+    // Fill the pool but for one cached block: the other window blocks go first.
+    let st = mgr.stats();
+    let others = st.num_free + st.num_cached - 1;
+    mgr.allocate(2, &vec![9; 4 * others], None).unwrap();
+    assert!(mgr.stats().evictions > 0);
+    assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 4);
+    mgr.check().unwrap();
+}

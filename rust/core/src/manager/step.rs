@@ -34,7 +34,12 @@ impl BlockManager {
         let needed = self.blocks_to_append(s, tokens.len());
         self.reserve_gpu(needed)?;
         let mut taken = Taken::default();
+        let prompt = s.prompt_len == s.tokens.len();
         self.append_reserved(s, tokens, &mut taken);
+        if prompt {
+            // A prompt admitted in chunks: it ends where the decode steps begin.
+            s.prompt_len = s.tokens.len();
+        }
         s.extra.spans.extend_from_slice(extra_keys);
         self.finish_taking(needed, taken);
         self.gpu.add_stored(tokens.len());
