@@ -96,6 +96,7 @@ def test_new_manager_is_empty() -> None:
         "stored_tokens": 0,
         "prefix_query_tokens": 0,
         "prefix_hit_tokens": 0,
+        "prefix_allowed_tokens": 0,
         "evictions": 0,
         "computed_tokens": 0,
         "pending_tokens": 0,
@@ -1217,6 +1218,7 @@ def test_stats_by_hand() -> None:
         "stored_tokens": 0,
         "prefix_query_tokens": 12,
         "prefix_hit_tokens": 4,
+        "prefix_allowed_tokens": 4,
         "evictions": 0,
         "computed_tokens": 0,
         "pending_tokens": 0,
@@ -1228,8 +1230,8 @@ def test_stats_by_hand() -> None:
 
 
 def test_the_field_lists_name_every_attribute() -> None:
-    """STATS_FIELDS and PLAN_ARRAYS (with the plan's three sizes) are exactly the attributes of
-    Stats and Plan, so the tests that compare every field miss none."""
+    """STATS_FIELDS and PLAN_ARRAYS (with the plan's three sizes and its attention) are exactly
+    the attributes of Stats and Plan, so the tests that compare every field miss none."""
     mgr = BlockManager(8, 4)
     mgr.allocate(1, [1, 2, 3])
 
@@ -1237,5 +1239,5 @@ def test_the_field_lists_name_every_attribute() -> None:
         return {name for name in dir(obj) if not name.startswith("_")}
 
     assert public(mgr.stats()) == set(STATS_FIELDS)
-    sizes = {"batch_size", "num_query_tokens", "block_size"}
+    sizes = {"batch_size", "num_query_tokens", "block_size", "attention"}
     assert public(mgr.plan([1], [3])) == set(PLAN_ARRAYS) | sizes

@@ -90,7 +90,8 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if hasattr(value, "kv_indptr"):  # a Plan
         fields = {name: plain(getattr(value, name)) for name in PLAN_ARRAYS}
-        return fields, value.batch_size, value.num_query_tokens, value.block_size
+        sizes = value.batch_size, value.num_query_tokens, value.block_size
+        return fields, sizes, value.attention
     return value
 
 

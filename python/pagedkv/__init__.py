@@ -8,16 +8,27 @@ turn its plans into attention.
 
 from typing import TYPE_CHECKING, Any
 
-from pagedkv._core import Batch, BlockManager, Event, OutOfBlocks, Plan, Stats
+from pagedkv._core import (
+    Attention,
+    Batch,
+    BlockManager,
+    Event,
+    HybridManager,
+    OutOfBlocks,
+    Plan,
+    Stats,
+)
 
 if TYPE_CHECKING:
     from pagedkv.attention import PagedAttention
     from pagedkv.kv_cache import KVCache
 
 __all__ = [
+    "Attention",
     "Batch",
     "BlockManager",
     "Event",
+    "HybridManager",
     "KVCache",
     "OutOfBlocks",
     "PagedAttention",

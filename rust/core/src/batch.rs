@@ -269,6 +269,7 @@ impl Batch {
     /// `first_block..`, a table of version `version`), the last `q` of them queries, after rows `0..row`, and makes its
     /// table row mirror `blocks`.
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn push(
         &mut self,
         row: usize,

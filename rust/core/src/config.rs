@@ -32,7 +32,7 @@ pub struct Config {
 }
 
 /// The keys a query at position `p` attends to, which decides what a sequence must hold.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Attention {
     /// Every token `0..=p`.
     #[default]

@@ -471,6 +471,7 @@ impl PrefixCache {
     /// mapped (or, against all odds for keyed hashes, its region of the map is full); then
     /// `publish` (flag the block, record the event) runs under the region's lock once the
     /// contents are written, so a reset or an eviction of the same key is ordered with it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn register(
         &self,
         block: BlockId,

@@ -1,8 +1,10 @@
 //! Python bindings of `pagedkv`: type and error conversion only; all logic lives in the core.
 
+mod attention;
 mod batch;
 mod conversions;
 mod events;
+mod hybrid;
 mod manager;
 mod plan;
 mod stats;
@@ -15,6 +17,8 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::BlockManager>()?;
+    m.add_class::<hybrid::HybridManager>()?;
+    m.add_class::<attention::Attention>()?;
     m.add_class::<batch::Batch>()?;
     m.add_class::<plan::Plan>()?;
     m.add_class::<stats::Stats>()?;

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 use pagedkv as core;
 
+use crate::attention::Attention;
 use crate::batch::Batch;
 use crate::conversions::{
     integer, integers, pairs, salt_bytes, seq_id, seq_ids, to_py, token_ids, Count,
@@ -46,10 +47,10 @@ impl BlockManager {
     #[new]
     #[pyo3(signature = (num_blocks, block_size = Count::Default(16), *,
         num_cpu_blocks = Count::Default(0), enable_prefix_caching = true, watermark = 0.01,
-        hash_key = None, enable_events = false, auto_commit = true),
+        hash_key = None, enable_events = false, auto_commit = true, attention = None),
         text_signature = "(num_blocks, block_size=16, *, num_cpu_blocks=0, \
         enable_prefix_caching=True, watermark=0.01, hash_key=None, enable_events=False, \
-        auto_commit=True)")]
+        auto_commit=True, attention=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<'_>,
@@ -60,34 +61,41 @@ impl BlockManager {
         hash_key: Option<&[u8]>,
         enable_events: bool,
         auto_commit: bool,
+        attention: Option<Attention>,
     ) -> PyResult<Self> {
-        let count = |name: &str, v: Count<'_>| match v {
-            Count::Given(v) => integer::<u32>(&v, name),
-            Count::Default(v) => Ok(v),
-        };
-        let hash_key = hash_key
-            .map(|k| {
-                <[u8; 32]>::try_from(k).map_err(|_| {
-                    PyValueError::new_err(format!("hash_key must be 32 bytes, got {}", k.len()))
-                })
-            })
-            .transpose()?;
-        let config = core::Config {
-            num_blocks: count("num_blocks", num_blocks)?,
-            block_size: count("block_size", block_size)?,
-            num_cpu_blocks: count("num_cpu_blocks", num_cpu_blocks)?,
+        let config = build_config(
+            num_blocks,
+            block_size,
+            num_cpu_blocks,
             enable_prefix_caching,
             watermark,
             hash_key,
             enable_events,
             auto_commit,
-            attention: core::Attention::Full,
+        )?;
+        let config = core::Config {
+            attention: attention.map_or(core::Attention::Full, |a| a.inner),
+            ..config
         };
         let inner = core::BlockManager::new(config).map_err(to_py)?;
         Ok(BlockManager {
             inner,
             spare_plans: PlanPool::default(),
         })
+    }
+
+    /// What the manager's queries attend to.
+    #[getter]
+    fn attention(&self) -> Attention {
+        Attention {
+            inner: self.inner.config().attention,
+        }
+    }
+
+    /// The logical block the sequence's table starts at (windowed attention releases the
+    /// blocks before it).
+    fn first_block(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.inner.first_block(self::seq_id(seq_id)?).map_err(to_py)
     }
 
     /// Blocks in the GPU pool.
@@ -469,14 +477,50 @@ impl BlockManager {
     }
 }
 
+/// The configuration the constructor's arguments describe (full attention).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn build_config(
+    num_blocks: Count<'_>,
+    block_size: Count<'_>,
+    num_cpu_blocks: Count<'_>,
+    enable_prefix_caching: bool,
+    watermark: f64,
+    hash_key: Option<&[u8]>,
+    enable_events: bool,
+    auto_commit: bool,
+) -> PyResult<core::Config> {
+    let count = |name: &str, v: Count<'_>| match v {
+        Count::Given(v) => integer::<u32>(&v, name),
+        Count::Default(v) => Ok(v),
+    };
+    let hash_key = hash_key
+        .map(|k| {
+            <[u8; 32]>::try_from(k).map_err(|_| {
+                PyValueError::new_err(format!("hash_key must be 32 bytes, got {}", k.len()))
+            })
+        })
+        .transpose()?;
+    Ok(core::Config {
+        num_blocks: count("num_blocks", num_blocks)?,
+        block_size: count("block_size", block_size)?,
+        num_cpu_blocks: count("num_cpu_blocks", num_cpu_blocks)?,
+        enable_prefix_caching,
+        watermark,
+        hash_key,
+        enable_events,
+        auto_commit,
+        attention: core::Attention::Full,
+    })
+}
+
 /// Token counts, one per sequence.
-fn token_counts(counts: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+pub(crate) fn token_counts(counts: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     let counts = integers::<u64>(counts, "token counts")?;
     Ok(counts.into_iter().map(|n| n as usize).collect())
 }
 
 /// Runs `call` on the batch's core, borrowed mutably, without the GIL.
-fn on_batch(
+pub(crate) fn on_batch(
     py: Python<'_>,
     batch: &Bound<'_, Batch>,
     call: impl FnOnce(&mut core::Batch) -> Result<(), core::Error> + Send,

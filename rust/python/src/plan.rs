@@ -11,6 +11,8 @@ use pyo3::prelude::*;
 
 use pagedkv as core;
 
+use crate::attention::Attention;
+
 /// Plan buffers of dropped plans, kept for reuse: fresh buffers every step would cost page
 /// faults once plans get large.
 pub(crate) type PlanPool = Arc<Mutex<Vec<core::Plan>>>;
@@ -76,6 +78,9 @@ pub(crate) struct Plan {
     num_query_tokens: usize,
     #[pyo3(get)]
     block_size: u32,
+    /// What the plan's queries attend to.
+    #[pyo3(get)]
+    attention: Attention,
 }
 
 impl Plan {
@@ -94,6 +99,9 @@ impl Plan {
             batch_size: plan.batch_size(),
             num_query_tokens: plan.num_query_tokens(),
             block_size: plan.block_size,
+            attention: Attention {
+                inner: plan.attention,
+            },
             raw: plan,
             buffers,
             pool,

@@ -71,9 +71,12 @@ impl BlockManager {
             }
             let needed = self.admission_needs(tokens, &prompt);
             self.reserve_gpu(needed)?;
-            let Some((table, used)) = self.acquire_hits(&prompt) else {
-                self.gpu.unreserve(needed);
-                continue;
+            let (table, used) = match self.acquire_hits(&prompt) {
+                Ok(acquired) => acquired,
+                Err(used) => {
+                    self.gpu.unreserve(needed - used);
+                    continue;
+                }
             };
             let needed = needed - used;
             let admitted = (tokens, prompt, hit, hit);
@@ -116,19 +119,19 @@ impl BlockManager {
     }
 
     /// Takes the prompt's hits (reserved): the table of the hit blocks and how many reserved
-    /// blocks that used, or `None` (nothing taken) if another thread changed a hit since.
-    pub(super) fn acquire_hits(&self, prompt: &Admission) -> Option<(Vec<BlockId>, usize)> {
+    /// blocks that used. If another thread changed a hit since, nothing is taken and the error
+    /// says how many reserved blocks went back to the pool with the hits released again.
+    pub(super) fn acquire_hits(&self, prompt: &Admission) -> Result<(Vec<BlockId>, usize), usize> {
         let Some(p) = &prompt.0 else {
-            return Some((Vec::new(), 0));
+            return Ok((Vec::new(), 0));
         };
         let (acquired, used) = self.gpu.acquire_hits(&p.hits, self.bs.get() as u32);
         let table: Vec<BlockId> = p.hits[..acquired].iter().map(|&(block, _)| block).collect();
         if acquired < p.hits.len() {
             self.release_gpu_blocks(&table, 0, 0, table.len() * self.bs.get());
-            self.gpu.unreserve(used);
-            return None;
+            return Err(used);
         }
-        Some((table, used))
+        Ok((table, used))
     }
 
     /// Admits the sequence once `admitted`'s hits (`(tokens, prompt, hit, allowed)`: `hit`

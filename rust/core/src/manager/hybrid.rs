@@ -124,32 +124,49 @@ impl HybridManager {
         let mut prompts: Vec<Admission> = (self.groups.iter())
             .map(|g| g.hash_prompt(tokens, salt))
             .collect();
-        // Each group's own longest hit, then the longest every group serves: a window may serve
-        // a shorter prefix without serving a longer one, so lower it until all agree.
-        let mut hit = hittable;
-        let allowed: Vec<usize> = (self.groups.iter().zip(&mut prompts))
-            .map(|(g, p)| g.find_hits(p, tokens, hittable))
-            .collect();
-        hit = allowed.iter().fold(hit, |hit, &a| hit.min(a));
-        loop {
-            let lowest = (self.groups.iter().zip(&mut prompts))
-                .map(|(g, p)| g.find_hits(p, tokens, hit))
-                .min()
-                .expect("at least one group");
-            if lowest == hit {
-                break;
+        let (hit, allowed, tables) = loop {
+            // Each group's own longest hit, then the longest every group serves: a window may
+            // serve a shorter prefix without serving a longer one, so lower it until all agree.
+            let allowed: Vec<usize> = (self.groups.iter().zip(&mut prompts))
+                .map(|(g, p)| g.find_hits(p, tokens, hittable))
+                .collect();
+            let mut hit = allowed.iter().copied().min().expect("at least one group");
+            loop {
+                let lowest = (self.groups.iter().zip(&mut prompts))
+                    .map(|(g, p)| g.find_hits(p, tokens, hit))
+                    .min()
+                    .expect("at least one group");
+                if lowest == hit {
+                    break;
+                }
+                hit = lowest;
             }
-            hit = lowest;
-        }
-        let needed: usize = (self.groups.iter().zip(&prompts))
-            .map(|(g, p)| g.admission_needs(tokens, p))
-            .sum();
-        self.groups[0].reserve_gpu(needed)?;
-        // No other operation runs, so no hit found above was evicted since.
-        let mut tables = Vec::with_capacity(self.groups.len());
-        for (g, p) in self.groups.iter().zip(&prompts) {
-            tables.push(g.acquire_hits(p).expect("hits are stable under the lock"));
-        }
+            let needed: usize = (self.groups.iter().zip(&prompts))
+                .map(|(g, p)| g.admission_needs(tokens, p))
+                .sum();
+            self.groups[0].reserve_gpu(needed)?;
+            // Every group's hits are taken before any group takes a fresh block, which could
+            // evict another group's hit.
+            let mut tables = Vec::with_capacity(self.groups.len());
+            for (g, p) in self.groups.iter().zip(&prompts) {
+                match g.acquire_hits(p) {
+                    Ok(acquired) => tables.push(acquired),
+                    Err(used) => {
+                        // Hits are full blocks, released as a table of that many.
+                        let bs = g.bs.get();
+                        for (g, (table, _)) in self.groups.iter().zip(&tables) {
+                            g.release_gpu_blocks(table, 0, 0, table.len() * bs);
+                        }
+                        let used: usize = used + tables.iter().map(|(_, u)| u).sum::<usize>();
+                        self.groups[0].gpu.unreserve(needed - used);
+                        break;
+                    }
+                }
+            }
+            if tables.len() == self.groups.len() {
+                break (hit, allowed, tables);
+            }
+        };
         let bs = self.groups[0].bs.get();
         let mut loads = Vec::with_capacity(self.groups.len());
         for (((g, p), (table, used)), allowed) in
