@@ -7,11 +7,10 @@ import re
 
 import pytest
 
+from pagedkv import Attention
 from pagedkv.groups import MAX_GROUPS, KVGroups, kv_groups, layer_attention
 
 transformers = pytest.importorskip("transformers")
-
-from pagedkv.groups import Attention  # noqa: E402
 
 FULL = Attention.full()
 
@@ -49,10 +48,12 @@ def test_gemma3_27b_shape_full_group_first_and_unpadded() -> None:
     assert set(layers) == {FULL, sw(1024)}
     groups = kv_groups(config)
     check_layout(groups, layers)
-    # gcd(10, 52) = 2 would make 31 groups: 10 per group keeps the full group unpadded.
-    assert (groups.layers_per_group, groups.num_groups, groups.padding_layers) == (10, 7, 8)
-    assert groups.layers[0] == tuple(range(5, 62, 6))
-    assert groups.layers[-1] == (60, 61, *[-1] * 8)
+    # gcd(10, 52) = 2 would make 31 groups: 5 per group keeps the full groups unpadded and
+    # pads 3 slots, within MAX_GROUPS; 10 per group would make 7 groups but pad 8.
+    assert (groups.layers_per_group, groups.num_groups, groups.padding_layers) == (5, 13, 3)
+    assert groups.layers[:2] == (tuple(range(5, 32, 6)), tuple(range(35, 62, 6)))
+    assert groups.layers[-1] == (60, 61, -1, -1, -1)
+    assert kv_groups(config, layers_per_group=10).padding_layers == 8
 
 
 def test_gpt_oss_alternates_in_two_unpadded_groups() -> None:
@@ -183,14 +184,14 @@ def brute_force_size(counts: list[int], full: list[bool]) -> int:
 @pytest.mark.parametrize(
     ("full", "window", "expected"),
     [
-        (10, 52, 10),
+        (10, 52, 5),
         (18, 18, 18),
         (12, 36, 12),
-        (4, 22, 4),
-        (7, 50, 8),
+        (4, 22, 2),
+        (7, 50, 7),
         (0, 9, 9),
         (5, 0, 5),
-        (3, 50, 8),
+        (3, 50, 4),
     ],
 )
 def test_default_size(full: int, window: int, expected: int) -> None:
@@ -208,3 +209,11 @@ def test_many_kinds_make_one_group_each() -> None:
     groups = KVGroups.from_layers(layers)
     check_layout(groups, layers)
     assert groups.num_groups == len(layers) and groups.layers_per_group == 1
+
+
+def test_module_example() -> None:
+    import doctest
+
+    import pagedkv.groups
+
+    assert doctest.testmod(pagedkv.groups).failed == 0

@@ -8,11 +8,11 @@ Example:
     >>> from transformers import Gemma3TextConfig
     >>> groups = kv_groups(Gemma3TextConfig(num_hidden_layers=62, sliding_window=1024))
     >>> groups.layers_per_group, groups.num_groups, groups.padding_layers
-    (10, 7, 8)
-    >>> groups.attention[0].kind, groups.attention[1].window
+    (5, 13, 3)
+    >>> groups.attention[0].kind, groups.attention[2].window
     ('full', 1024)
     >>> groups.group_of(5), groups.slot_of(11), groups.group_of(0), groups.slot_of(0)
-    (0, 1, 1, 0)
+    (0, 1, 2, 0)
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pagedkv._attention_standin import Attention
+from pagedkv import Attention
 
-__all__ = ["MAX_GROUPS", "Attention", "KVGroups", "kv_groups", "layer_attention"]
+__all__ = ["MAX_GROUPS", "KVGroups", "kv_groups", "layer_attention"]
 
-# Groups a default `layers_per_group` may make: each group adds per-step host work.
-MAX_GROUPS = 8
+# Groups a default `layers_per_group` may make: each group adds a plan (CSR, slot mapping) to
+# every step, host work that stays a small part of a GPU step at this many.
+MAX_GROUPS = 16
 
 _UNSET = object()
 
@@ -64,8 +65,9 @@ class KVGroups:
         MAX_GROUPS groups, pads no full-attention group (a full group's padding slot costs
         every token of the context; a windowed group's at most a window and a block), pads
         the fewest slots, and makes the fewest groups. Gemma 3 27B (10 full, 52 sliding
-        layers): 10 layers per group, 7 groups, 8 padding slots in the last sliding group
-        (8 / 70 of a page there; the full group is unpadded).
+        layers): 5 layers per group, 13 groups (2 full, 11 sliding), 3 padding slots in the
+        last sliding group; gpt-oss (18 and 18): 18, 2 groups; Llama 4 Scout (12 full, 36
+        chunked): 12, 4 groups; neither padded.
         """
         if len(layers) == 0:
             raise ValueError("layers: a model has at least one layer")
