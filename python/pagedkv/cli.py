@@ -197,8 +197,9 @@ def _simulate_epilog() -> str:
         "When the paged system cannot store a step's tokens it preempts the latest request,",
         "which is recomputed later (vLLM's policy); contiguous systems never need to.",
         "Step time: decode reads the weights and the batch's KV once, (weights + KV bytes) /",
-        "(peak bandwidth x --decode-bandwidth-fraction); prompt tokens add 2 x parameters",
-        "FLOPs each / (peak FLOP/s x --prefill-flop-fraction). Several GPUs add up ideally.",
+        "(peak bandwidth x --decode-bandwidth-fraction); a windowed layer reads its window",
+        "only. Prompt tokens add 2 x parameters FLOPs each / (peak FLOP/s x",
+        "--prefill-flop-fraction). Several GPUs add up ideally.",
         "Decode throughput (tok/s): tokens generated per step over the step's decode time.",
         "Default fractions are published measurements (1.0 models ideal hardware):",
         *textwrap.wrap(

@@ -92,7 +92,7 @@ def run(
     conversation finishes.
 
     `need(lengths)`: the slots sequences of these lengths need at least (default: one per
-    token), for `SystemMetrics.bound_seqs`.
+    token): the KV a decode step reads, and `SystemMetrics.bound_seqs`.
     """
     log = StepLog()
     waiting: deque[Active] = deque()
@@ -136,7 +136,7 @@ def run(
         seqs = width * len(running)
         lengths = np.fromiter((a.length for a in running), dtype=np.int64, count=len(running))
         needed = width * (need(lengths) if need is not None else float(lengths.sum()))
-        decode = timing.decode_seconds(int(lengths.sum()) * width)
+        decode = timing.decode_seconds(needed)
         clock += decode + timing.prefill_seconds(prefill)
         log.record(
             comp,
