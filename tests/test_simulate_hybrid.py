@@ -302,3 +302,12 @@ def test_cli_prints_the_hybrid_ratios(capsys: pytest.CaptureFixture[str]) -> Non
     (system,) = result["systems"]
     assert system["mean_seqs"] <= system["bound_seqs"]
     assert system["prefix"]["hit_tokens"] == 0  # no prompt repeats
+
+
+def test_hybrid_settings_are_checked() -> None:
+    for bad, message in (
+        ({"prefill_chunk": 0}, "prefill chunk must be positive, got 0"),
+        ({"layers_per_group": 0}, "layers per group must be positive, got 0"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            SimulationConfig(GEMMA, GPUS["H200"], kv_memory=10**10, max_len=4096, **bad)  # type: ignore[arg-type]

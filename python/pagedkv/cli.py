@@ -495,7 +495,10 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig:
         kv_memory = default_kv_memory(model, gpu, args.gpus)
     systems = args.systems if args.systems is not None else default_systems(model)
     slots = kv_memory // model.kv_bytes_per_token
-    if slots > _MAX_SLOTS and "paged" in systems:
+    if "hybrid" in systems:  # a page holds `layers_per_group` layers' slots
+        per_group = model.groups(args.layers_per_group).layers_per_group
+        slots = max(slots, kv_memory // (model.layer_bytes_per_token * per_group))
+    if slots > _MAX_SLOTS and ("paged" in systems or "hybrid" in systems):
         raise _UsageError(
             f"KV memory of {kv_memory} bytes holds {slots} token slots of {model.name}; the "
             f"block manager addresses at most {_MAX_SLOTS} (int32 slots): lower --kv-memory"

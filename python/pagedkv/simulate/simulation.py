@@ -94,6 +94,10 @@ class SimulationConfig:
                 self.prefill_chunk >= 1,
                 f"prefill chunk must be positive, got {self.prefill_chunk}",
             ),
+            (
+                self.layers_per_group is None or self.layers_per_group >= 1,
+                f"layers per group must be positive, got {self.layers_per_group}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
