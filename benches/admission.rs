@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{criterion_group, Criterion};
-use decoding::{Decoding, Stepping};
+use decoding::{Decoding, Managed, Stepping};
 use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
 use timing::{record, short_runs, show_ratio, show_us};
 use tokens::Tokens;
@@ -108,7 +108,7 @@ fn admit_long_prompts(mgr: Arc<BlockManager>, stop: Arc<AtomicBool>, count: Arc<
 fn bench_step_under_admission(c: &mut Criterion) {
     let long_blocks = 8192 / BLOCK_SIZE + 1;
     let mgr = Arc::new(manager(2 * Decoding::blocks() + 2 * long_blocks));
-    let mut decoding = Decoding::new(mgr.clone());
+    let mut decoding = Decoding::new(Managed::One(mgr.clone()));
     let mut g = c.benchmark_group("decode_batch256");
     let kinds = [
         (Stepping::OneShot, "step", ["step_alone", "step_admitting"]),

@@ -2,8 +2,11 @@
 //! `Batch` against the one-shot `step` + plan, a speculative verify step (4 drafts a row) against
 //! that decode step, and the admission of a 1024-token prompt through its prefill (hit and miss,
 //! against caching off).
+//! The same decode step with two KV-cache groups (full attention and a sliding window of 128
+//! tokens, as gpt-oss has) against one group.
 //! Targets: a decode step at batch 256 through a `Batch` <= 15 us; a verify step with 4 drafts
-//! <= 3x that step; 1024-token hit (allocate, prefill plan, commit, free) <= 5 us.
+//! <= 3x that step; two groups <= 2x one group; 1024-token hit (allocate, prefill plan, commit,
+//! free) <= 5 us.
 //!
 //! Bookkeeping that keeps lengths bounded (freeing and re-admitting sequences) runs outside the
 //! timed part, through `iter_custom`.
@@ -22,8 +25,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
-use decoding::{Decoding, Stepping};
-use pagedkv::{BlockManager, Config, Plan, SeqId, Token};
+use decoding::{Decoding, Managed, Stepping};
+use pagedkv::{Attention, BlockManager, Config, HybridManager, Plan, SeqId, Token};
 use timing::{record, short_runs, show_ratio, show_us};
 use tokens::Tokens;
 
@@ -77,7 +80,7 @@ fn bench_append(c: &mut Criterion) {
 /// also commits its prefill, is not timed.
 fn bench_step(c: &mut Criterion) {
     let blocks = 2 * Decoding::blocks();
-    let mut decoding = Decoding::new(Arc::new(manager(blocks, true)));
+    let mut decoding = Decoding::new(Managed::One(Arc::new(manager(blocks, true))));
     let mut g = c.benchmark_group("decode");
     g.bench_function("step_plan/batch256", |b| {
         b.iter_custom(|iters| record("step", decoding.time(iters, Stepping::OneShot), iters))
@@ -98,11 +101,22 @@ fn bench_step(c: &mut Criterion) {
     });
     // Without prefix caching no filled block is registered, hashed or evicted: what is left is
     // the per-sequence work.
-    let mut uncached = Decoding::new(Arc::new(manager(blocks, false)));
+    let mut uncached = Decoding::new(Managed::One(Arc::new(manager(blocks, false))));
     g.bench_function("step_batch/batch256_caching_off", |b| {
         b.iter_custom(|iters| {
             let elapsed = uncached.time(iters, Stepping::Persistent);
             record("step_batch_off", elapsed, iters)
+        })
+    });
+    // Two groups over one pool: each step appends to both tables, and the window's releases
+    // the block that left it every 16 steps a row.
+    let groups = [Attention::Full, Attention::SlidingWindow(128)];
+    let hybrid = HybridManager::new(Config::new(2 * blocks, BLOCK_SIZE), &groups).unwrap();
+    let mut two = Decoding::new(Managed::Groups(Arc::new(hybrid)));
+    g.bench_function("step_batch/batch256_two_groups", |b| {
+        b.iter_custom(|iters| {
+            let elapsed = two.time(iters, Stepping::Persistent);
+            record("step_batch_groups", elapsed, iters)
         })
     });
     g.finish();
@@ -201,6 +215,15 @@ fn main() {
         "step_batch, batch 256, prefix caching off (no registration or eviction)",
     );
     show_ratio("step_batch", "step", "step_batch against step + plan");
+    show_us(
+        "step_batch_groups",
+        "step_batch, batch 256, two groups (full + sliding window 128)",
+    );
+    show_ratio(
+        "step_batch_groups",
+        "step_batch",
+        "two groups against one (target <= 2x)",
+    );
     show_us(
         "verify_batch",
         "verify_batch + rollback_batch, batch 256, 4 drafts a row",

@@ -11,7 +11,9 @@ auto-commit it ran first, as SEMANTICS.md says). Plans and their
 numpy views are kept alive at random, sometimes only a view without its plan: a live view must
 never change however many later plans reuse the recycled buffers, and writing into one view
 must not reach any other plan (numpy views, lifetimes). A persistent `Batch` kept across rules
-must give the one-shot `step`'s inputs for its rows.
+must give the one-shot `step`'s inputs for its rows. The same machine runs on a
+`HybridManager` of random groups (full attention with sliding windows or chunks), whose plans,
+pairs and batches come one per group.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedkv import Batch, BlockManager, OutOfBlocks
+from pagedkv import Attention, Batch, BlockManager, HybridManager, OutOfBlocks
 
 KEY = bytes(range(32))
 MAX_ID = 8
@@ -95,22 +97,35 @@ def plain(value: Any) -> Any:
     return value
 
 
-def snapshot(mgr: BlockManager) -> Any:
-    """Everything observable about `mgr` but its events."""
-    stats = mgr.stats()
+def snapshot(mgr: BlockManager | HybridManager) -> Any:
+    """Everything observable about `mgr` but its events (for each group of a hybrid one)."""
+    groups = range(mgr.num_groups) if isinstance(mgr, HybridManager) else [None]
+
+    def tables(seq_id: int) -> Any:
+        if isinstance(mgr, HybridManager):
+            return [
+                outcome(
+                    lambda g=g: (mgr.first_block(seq_id, g), mgr.block_table(seq_id, g).tolist())
+                )
+                for g in groups
+            ]
+        return outcome(lambda: mgr.block_table(seq_id).tolist())
+
     seqs = []
     for seq_id in range(MAX_ID + 1):
         if seq_id not in mgr:
             seqs.append(None)
             continue
-        table = outcome(lambda s=seq_id: mgr.block_table(s).tolist())
         tokens = mgr.token_ids(seq_id).tolist()
-        seqs.append((tokens, mgr.num_tokens(seq_id), mgr.num_computed(seq_id), table))
-    return len(mgr), seqs, [getattr(stats, name) for name in STATS_FIELDS]
+        seqs.append((tokens, mgr.num_tokens(seq_id), mgr.num_computed(seq_id), tables(seq_id)))
+    stats = [mgr.stats(g) if isinstance(mgr, HybridManager) else mgr.stats() for g in groups]
+    return len(mgr), seqs, [[getattr(st, name) for name in STATS_FIELDS] for st in stats]
 
 
-def step_inputs(source: Any) -> dict[str, Any]:
-    """A step's attention inputs, from a plan or a batch."""
+def step_inputs(source: Any) -> Any:
+    """A step's attention inputs, from a plan or a batch (or a list of them, one per group)."""
+    if isinstance(source, list):
+        return [step_inputs(s) for s in source]
     fields = (*(f for f in PLAN_ARRAYS if f != "block_tables"), "block_size")
     return {name: plain(getattr(source, name)) for name in fields}
 
@@ -146,9 +161,20 @@ class BindingMachine(RuleBasedStateMachine):
         # Prompts and appends stretched to the block size, so that blocks of 16 or 32 tokens
         # fill, share and copy as often as small ones.
         self.stretch = max(1, block_size // 4)
-        self.canon = BlockManager(num_blocks, block_size, **kwargs)
-        self.varied = BlockManager(np.int64(num_blocks), Index(block_size), **kwargs)
-        self.rows = Batch()  # the varied manager's persistent batch (see `step_batch`)
+        self.canon: Any = BlockManager(num_blocks, block_size, **kwargs)
+        self.varied: Any = BlockManager(np.int64(num_blocks), Index(block_size), **kwargs)
+        self.rows: Any = self.new_rows([])  # the varied manager's batch (see `step_batch`)
+
+    def new_rows(self, seq_ids: list[int]) -> Any:
+        """A persistent batch of `seq_ids` for the manager (one per group of a hybrid one)."""
+        rows = Batch()
+        for seq_id in seq_ids:
+            rows.add(seq_id)
+        return rows
+
+    def batches(self) -> list[Batch]:
+        """The varied manager's persistent batches (one, or one per group)."""
+        return self.rows if isinstance(self.rows, list) else [self.rows]
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -172,9 +198,10 @@ class BindingMachine(RuleBasedStateMachine):
                 assert self.canon.take_events() == [] and self.varied.take_events() == []
             return False, None
         assert plain(got[1]) == plain(other[1])
-        if hasattr(got[1], "kv_indptr"):
-            self.check_plan_shape(got[1])
-            self.check_plan_shape(other[1])
+        for result in (got[1], other[1]):
+            for plan in result if isinstance(result, list) else [result]:
+                if hasattr(plan, "kv_indptr"):
+                    self.check_plan_shape(plan)
         return True, got[1]
 
     def stretched(self, tokens: list[int]) -> list[int]:
@@ -208,13 +235,14 @@ class BindingMachine(RuleBasedStateMachine):
         or swapped ones stay until a drawn batch drops them), mostly prefilled; returns them
         in row order."""
         drawn = self.batch(data, self.live - self.swapped)
-        for seq_id in self.rows.seq_ids.tolist():
-            if seq_id not in drawn:
-                self.rows.remove(seq_id)
-        for seq_id in drawn:
-            if seq_id not in self.rows:
-                self.rows.add(seq_id)
-        order: list[int] = self.rows.seq_ids.tolist()
+        for rows in self.batches():
+            for seq_id in rows.seq_ids.tolist():
+                if seq_id not in drawn:
+                    rows.remove(seq_id)
+            for seq_id in drawn:
+                if seq_id not in rows:
+                    rows.add(seq_id)
+        order: list[int] = self.batches()[0].seq_ids.tolist()
         if data.draw(st.integers(0, 4)):
             self.prefill(data, order)
         return order
@@ -232,6 +260,8 @@ class BindingMachine(RuleBasedStateMachine):
 
     def keep(self, data: st.DataObject, plan: Any) -> None:
         """Keeps the plan, or only one of its views, or nothing, at random."""
+        if isinstance(plan, list):
+            plan = data.draw(st.sampled_from(plan))
         how = data.draw(st.sampled_from(["drop", "plan", "view"]))
         if plan is None or how == "drop":
             return
@@ -363,9 +393,7 @@ class BindingMachine(RuleBasedStateMachine):
         tokens = data.draw(st.lists(token, min_size=sum(counts), max_size=sum(counts)))
 
         def appended(m: BlockManager) -> dict[str, Any]:
-            rows = Batch()
-            for seq_id in order:
-                rows.add(seq_id)
+            rows = self.new_rows(order)
             m.verify_batch(rows, tokens, counts)
             return step_inputs(rows)
 
@@ -457,7 +485,8 @@ class BindingMachine(RuleBasedStateMachine):
         ids = self.ids(data, batch)
         done, pairs = self.both(op, lambda m: getattr(m, op)(batch), lambda m: getattr(m, op)(ids))
         if done:
-            assert pairs.dtype == np.int32 and pairs.shape[1:] == (2,)
+            for group_pairs in pairs if isinstance(pairs, list) else [pairs]:
+                assert group_pairs.dtype == np.int32 and group_pairs.shape[1:] == (2,)
         return done
 
     @precondition(lambda self: bool(self.live))
@@ -518,3 +547,59 @@ BindingMachine.TestCase.settings = settings(
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
 )
 TestBindingMachine = BindingMachine.TestCase
+
+
+class HybridBindingMachine(BindingMachine):
+    """The same rules on two `HybridManager`s of random groups over one pool."""
+
+    @initialize(
+        num_blocks=st.integers(24, 64),
+        block_size=st.sampled_from([1, 2, 4, 16]),
+        num_cpu_blocks=st.sampled_from([64, 0]),
+        auto_commit=st.booleans(),
+        windows=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+        chunked=st.booleans(),
+    )
+    def setup_groups(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int,
+        auto_commit: bool,
+        windows: list[int],
+        chunked: bool,
+    ) -> None:
+        kwargs: dict[str, Any] = {
+            "num_cpu_blocks": num_cpu_blocks,
+            "hash_key": KEY,
+            "enable_events": True,
+            "auto_commit": auto_commit,
+            "watermark": 0.0,
+        }
+        self.stretch = max(1, block_size // 4)
+        # Windows of a few stretched tokens, so that blocks leave them within a run.
+        groups = [Attention.full()]
+        groups += [Attention.sliding_window(w * 3 * self.stretch) for w in windows]
+        if chunked:
+            groups.append(Attention.chunked_local(block_size * 2))
+        self.canon = HybridManager(num_blocks, block_size, groups, **kwargs)
+        self.varied = HybridManager(
+            np.int64(num_blocks), Index(block_size), tuple(groups), **kwargs
+        )
+        self.rows = self.new_rows([])
+
+    def setup(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Replaced by `setup_groups`."""
+
+    def new_rows(self, seq_ids: list[int]) -> Any:
+        return [super(HybridBindingMachine, self).new_rows(seq_ids) for _ in self.canon.groups]
+
+
+HybridBindingMachine.TestCase.settings = settings(
+    max_examples=80,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+)
+TestHybridBindingMachine = HybridBindingMachine.TestCase

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::splitmix64::SplitMix64;
 use crate::tokens::Tokens;
 use crate::BLOCK_SIZE;
-use pagedkv::{Batch, BlockManager, Plan, SeqId, Token};
+use pagedkv::{Batch, BlockManager, HybridManager, Plan, SeqId, Token};
 
 /// Sequences in the batch.
 const BATCH: usize = 256;
@@ -44,12 +44,64 @@ impl Stepping {
     }
 }
 
+/// The manager a decode batch runs on: one group, or the groups of a hybrid model (which the
+/// benches step only through persistent batches).
+pub enum Managed {
+    One(Arc<BlockManager>),
+    #[allow(dead_code)] // each bench includes this file; only the manager bench has groups
+    Groups(Arc<HybridManager>),
+}
+
+impl Managed {
+    fn groups(&self) -> usize {
+        match self {
+            Managed::One(_) => 1,
+            Managed::Groups(mgr) => mgr.num_groups(),
+        }
+    }
+
+    fn free(&self, seq: SeqId) {
+        match self {
+            Managed::One(mgr) => mgr.free(seq).unwrap(),
+            Managed::Groups(mgr) => mgr.free(seq).unwrap(),
+        }
+    }
+
+    fn allocate(&self, seq: SeqId, prompt: &[Token]) {
+        match self {
+            Managed::One(mgr) => mgr.allocate(seq, prompt, None).map(drop).unwrap(),
+            Managed::Groups(mgr) => mgr.allocate(seq, prompt, None).map(drop).unwrap(),
+        }
+    }
+
+    fn plan(&self, seqs: &[SeqId], lens: &[u32], plans: &mut [Plan]) {
+        match self {
+            Managed::One(mgr) => mgr.plan(seqs, lens, &mut plans[0]).unwrap(),
+            Managed::Groups(mgr) => mgr.plan(seqs, lens, plans).unwrap(),
+        }
+    }
+
+    fn step_batch(&self, batches: &mut [Batch], tokens: &[Token]) {
+        match self {
+            Managed::One(mgr) => mgr.step_batch(&mut batches[0], tokens).unwrap(),
+            Managed::Groups(mgr) => mgr.step_batch(batches, tokens).unwrap(),
+        }
+    }
+
+    fn one(&self) -> &BlockManager {
+        match self {
+            Managed::One(mgr) => mgr,
+            Managed::Groups(_) => panic!("groups step only through persistent batches"),
+        }
+    }
+}
+
 /// A decode batch on a manager, stepped by the benches.
 pub struct Decoding {
-    mgr: Arc<BlockManager>,
+    mgr: Managed,
     seqs: Vec<SeqId>,
-    plan: Plan,
-    batch: Batch,
+    plans: Vec<Plan>,
+    batches: Vec<Batch>,
     tokens: Tokens,
     /// Draws each verify step's rejected drafts.
     rejections: SplitMix64,
@@ -67,12 +119,13 @@ impl Decoding {
     }
 
     /// A prefilled batch on `mgr` (of the bench's `BLOCK_SIZE`).
-    pub fn new(mgr: Arc<BlockManager>) -> Decoding {
+    pub fn new(mgr: Managed) -> Decoding {
+        let groups = mgr.groups();
         let mut decoding = Decoding {
             mgr,
             seqs: Vec::new(),
-            plan: Plan::new(),
-            batch: Batch::new(),
+            plans: (0..groups).map(|_| Plan::new()).collect(),
+            batches: (0..groups).map(|_| Batch::new()).collect(),
             tokens: Tokens::new(2),
             rejections: SplitMix64(5),
             next_id: 0,
@@ -85,22 +138,26 @@ impl Decoding {
     /// Frees the running sequences, then admits and prefills a new batch of them.
     fn admit(&mut self) {
         for &s in &self.seqs {
-            self.mgr.free(s).unwrap();
+            self.mgr.free(s);
         }
-        self.batch.clear();
+        for batch in &mut self.batches {
+            batch.clear();
+        }
         let mut lens = Vec::with_capacity(BATCH);
         self.seqs = (0..BATCH)
             .map(|i| {
                 self.next_id += 1;
                 // Prompt lengths vary a little so last pages fill at different steps.
                 let prompt = self.tokens.take(PROMPT - 8 + i % 16);
-                self.mgr.allocate(self.next_id, &prompt, None).unwrap();
+                self.mgr.allocate(self.next_id, &prompt);
                 lens.push(prompt.len() as u32);
-                self.batch.add(self.next_id).unwrap();
+                for batch in &mut self.batches {
+                    batch.add(self.next_id).unwrap();
+                }
                 self.next_id
             })
             .collect();
-        self.mgr.plan(&self.seqs, &lens, &mut self.plan).unwrap();
+        self.mgr.plan(&self.seqs, &lens, &mut self.plans);
         self.grown = 0;
     }
 
@@ -109,21 +166,23 @@ impl Decoding {
     fn step(&mut self, how: Stepping, tokens: &[Token], rejected: &[usize]) {
         match how {
             Stepping::OneShot => {
-                self.mgr.step(&self.seqs, tokens, &mut self.plan).unwrap();
+                let mgr = self.mgr.one();
+                mgr.step(&self.seqs, tokens, &mut self.plans[0]).unwrap();
                 return;
             }
-            Stepping::Persistent => self.mgr.step_batch(&mut self.batch, tokens).unwrap(),
+            Stepping::Persistent => self.mgr.step_batch(&mut self.batches, tokens),
             Stepping::Verify => {
+                let (mgr, batch) = (self.mgr.one(), &mut self.batches[0]);
                 let counts = [(DRAFTS + 1) as u32; BATCH];
-                self.mgr
-                    .verify_batch(&mut self.batch, tokens, &counts)
-                    .unwrap();
+                mgr.verify_batch(batch, tokens, &counts).unwrap();
                 // The target's forward pass runs here; then its rejected drafts go.
-                self.mgr.rollback_batch(&mut self.batch, rejected).unwrap();
+                mgr.rollback_batch(batch, rejected).unwrap();
             }
         }
-        // A device copy of the table would take the log here.
-        self.batch.clear_updates();
+        // A device copy of the tables would take the logs here.
+        for batch in &mut self.batches {
+            batch.clear_updates();
+        }
     }
 
     /// Each row's rejected drafts for one step (none unless it verifies).
@@ -163,7 +222,7 @@ impl Decoding {
                 self.step(how, &tokens, rejected);
             }
             elapsed += start.elapsed();
-            black_box((&self.plan, &self.batch));
+            black_box((&self.plans, &self.batches));
             left -= chunk;
             self.grown += chunk * how.tokens();
         }

@@ -32,6 +32,10 @@ pub type BlockHash = u128;
 /// The full 256-bit BLAKE3 chaining value of a prefix (keys the next block's hash).
 pub(crate) type Chain = [u8; 32];
 
+/// The chaining value of a block of a hybrid manager's group past 0, which publishes no hashes
+/// (its blocks are keyed in the map only).
+pub(crate) const UNPUBLISHED: Chain = [0; 32];
+
 /// A block's key in the prefix map (never leaves the process).
 pub(crate) type MapKey = u128;
 
@@ -138,6 +142,8 @@ pub(crate) struct PromptHashes {
     pub(crate) cached_hits: usize,
     /// The logical block the hits start at (0 but for windowed attention).
     pub(crate) first: usize,
+    /// Whether the chaining values are computed (group 0) or left [`UNPUBLISHED`].
+    publishes: bool,
     /// `chains[computed_from..]` were computed, starting from `chains[computed_from - 1]` as
     /// it was then (the root when 0).
     computed_from: usize,
@@ -217,6 +223,10 @@ impl PromptHashes {
     /// Computes the chaining values of blocks `from..`, unless a previous walk already did from
     /// the same starting point.
     fn chain_from(&mut self, prefix: &PrefixCache, tokens: &[Token], from: usize) {
+        if !self.publishes {
+            self.chains[from..].fill(UNPUBLISHED);
+            return;
+        }
         let base = if from == 0 {
             self.root
         } else {
@@ -317,7 +327,7 @@ impl PrefixCache {
             keys.push(key);
         }
         let mut chains = Vec::with_capacity(full);
-        chains.resize(full, [0; 32]);
+        chains.resize(full, UNPUBLISHED);
         PromptHashes {
             root,
             keys,
@@ -325,6 +335,7 @@ impl PrefixCache {
             hits: Vec::new(),
             cached_hits: 0,
             first: 0,
+            publishes: group == 0,
             computed_from: usize::MAX,
             base: [0; 32],
         }

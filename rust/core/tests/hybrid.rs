@@ -288,3 +288,25 @@ fn bad_groups_are_refused() {
     ));
     assert!(matches!(mgr.stats(2), Err(Error::InvalidArgument(_))));
 }
+
+/// A verify step's drafts move no window: the blocks a rejected draft's window would have
+/// dropped stay until a step whose first query, an accepted token, leaves them behind.
+#[test]
+fn drafts_release_window_blocks_only_once_accepted() {
+    let mgr = windowed(32, 4, Attention::SlidingWindow(4));
+    mgr.allocate(1, &[1; 7], None).unwrap();
+    let mut plan = Plan::new();
+    mgr.plan(&[1], &[7], &mut plan).unwrap();
+    let mut batch = Batch::new();
+    batch.add(1).unwrap();
+    // The last sampled token at 7 and four drafts: query 7 reads 4..=7, so block 0 goes, but
+    // block 1, which only the drafts' windows leave behind, stays.
+    mgr.verify_batch(&mut batch, &[8, 9, 10, 11, 12], &[5]).unwrap();
+    assert_eq!(mgr.first_block(1).unwrap(), 1);
+    // Every draft rejected: the next query (8) reads 5..=8, still in block 1.
+    mgr.rollback_batch(&mut batch, &[4]).unwrap();
+    mgr.step_batch(&mut batch, &[13]).unwrap();
+    assert_eq!(mgr.first_block(1).unwrap(), 1);
+    assert_eq!(batch.inputs().kv_indptr, vec![0, 2]);
+    mgr.check().unwrap();
+}

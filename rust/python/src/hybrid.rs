@@ -14,7 +14,7 @@ use crate::conversions::{
     integer, integers, pairs, salt_bytes, seq_id, seq_ids, to_py, token_ids, Count,
 };
 use crate::events::Event;
-use crate::manager::{build_config, token_counts};
+use crate::manager::{build_config, pool_kind, token_counts};
 use crate::plan::{Plan, PlanPool};
 use crate::stats::Stats;
 
@@ -380,6 +380,28 @@ impl HybridManager {
             .map_err(to_py)
     }
 
+    /// The sequence's tokens, uint32.
+    fn token_ids<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let tokens = self.inner.tokens(self::seq_id(seq_id)?).map_err(to_py)?;
+        Ok(tokens.into_pyarray(py))
+    }
+
+    /// Whether the prompt would fit now while keeping the watermark free.
+    #[pyo3(signature = (token_ids, *, salt = None))]
+    fn can_allocate(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let (tokens, salt) = (self::token_ids(token_ids)?, salt_bytes(salt)?);
+        Ok(py.detach(|| self.inner.can_allocate(&tokens, salt.as_deref())))
+    }
+
     /// Number of tokens in the sequence.
     fn num_tokens(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         self.inner.num_tokens(self::seq_id(seq_id)?).map_err(to_py)
@@ -419,9 +441,10 @@ impl HybridManager {
             .map_err(to_py)
     }
 
-    /// The hashes of group 0's computed blocks in the GPU prefix cache.
-    fn stored_hashes(&self) -> Vec<u128> {
-        self.inner.stored_hashes(core::PoolKind::Gpu)
+    /// The 128-bit hashes of group 0's computed blocks a tier holds, `medium` "GPU" or "CPU".
+    #[pyo3(signature = (medium = "GPU"))]
+    fn stored_hashes(&self, medium: &str) -> PyResult<Vec<u128>> {
+        Ok(self.inner.stored_hashes(pool_kind(medium)?))
     }
 
     /// Group 0's prefix-cache events since the last call (empty unless `enable_events`).

@@ -190,16 +190,7 @@ impl BlockManager {
     /// CPU tier is tracked while events are on).
     #[pyo3(signature = (medium = "GPU"))]
     fn stored_hashes(&self, medium: &str) -> PyResult<Vec<u128>> {
-        let pool = match medium {
-            "GPU" => core::PoolKind::Gpu,
-            "CPU" => core::PoolKind::Cpu,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "medium must be \"GPU\" or \"CPU\", got {other:?}"
-                )))
-            }
-        };
-        Ok(self.inner.stored_hashes(pool))
+        Ok(self.inner.stored_hashes(pool_kind(medium)?))
     }
 
     /// Leading full blocks of the prompt the GPU prefix cache holds now.
@@ -511,6 +502,17 @@ pub(crate) fn build_config(
         auto_commit,
         attention: core::Attention::Full,
     })
+}
+
+/// The pool a `medium` argument names.
+pub(crate) fn pool_kind(medium: &str) -> PyResult<core::PoolKind> {
+    match medium {
+        "GPU" => Ok(core::PoolKind::Gpu),
+        "CPU" => Ok(core::PoolKind::Cpu),
+        other => Err(PyValueError::new_err(format!(
+            "medium must be \"GPU\" or \"CPU\", got {other:?}"
+        ))),
+    }
 }
 
 /// Token counts, one per sequence.

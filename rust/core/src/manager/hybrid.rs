@@ -125,22 +125,12 @@ impl HybridManager {
             .map(|g| g.hash_prompt(tokens, salt))
             .collect();
         let (hit, allowed, tables) = loop {
-            // Each group's own longest hit, then the longest every group serves: a window may
-            // serve a shorter prefix without serving a longer one, so lower it until all agree.
+            // Each group's own longest hit, then the longest every group serves.
             let allowed: Vec<usize> = (self.groups.iter().zip(&mut prompts))
                 .map(|(g, p)| g.find_hits(p, tokens, hittable))
                 .collect();
-            let mut hit = allowed.iter().copied().min().expect("at least one group");
-            loop {
-                let lowest = (self.groups.iter().zip(&mut prompts))
-                    .map(|(g, p)| g.find_hits(p, tokens, hit))
-                    .min()
-                    .expect("at least one group");
-                if lowest == hit {
-                    break;
-                }
-                hit = lowest;
-            }
+            let lowest = allowed.iter().copied().min().expect("at least one group");
+            let hit = self.common_hit(&mut prompts, tokens, lowest);
             let needed: usize = (self.groups.iter().zip(&prompts))
                 .map(|(g, p)| g.admission_needs(tokens, p))
                 .sum();
@@ -397,6 +387,11 @@ impl HybridManager {
         self.groups[0].num_tokens(seq)
     }
 
+    /// The sequence's tokens.
+    pub fn tokens(&self, seq: SeqId) -> Result<Vec<Token>, Error> {
+        self.groups[0].tokens(seq)
+    }
+
     /// Tokens of the sequence whose KV is computed.
     pub fn num_computed(&self, seq: SeqId) -> Result<usize, Error> {
         self.groups[0].num_computed(seq)
@@ -427,15 +422,38 @@ impl HybridManager {
     /// How many leading full blocks of the prompt every group serves now (read-only).
     pub fn cached_prefix_blocks(&self, tokens: &[Token], salt: Option<&[u8]>) -> usize {
         let _held = lock(&self.lock);
-        let Ok(hittable) = check_prompt(tokens, self.groups[0].bs) else {
-            return 0;
-        };
+        self.lookup(tokens, salt).map_or(0, |(hit, _)| hit)
+    }
+
+    /// Whether a prompt could be admitted now while keeping the watermark in reserve.
+    pub fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
+        let _held = lock(&self.lock);
+        let g = &self.groups[0];
+        self.lookup(tokens, salt)
+            .is_some_and(|(_, needed)| g.gpu.available() >= needed + g.watermark_blocks)
+    }
+
+    /// The prompt's hit in blocks and the blocks admitting it would take (none for a prompt
+    /// that cannot be admitted). Read-only.
+    fn lookup(&self, tokens: &[Token], salt: Option<&[u8]>) -> Option<(usize, usize)> {
+        let hittable = check_prompt(tokens, self.groups[0].bs).ok()?;
         let mut prompts: Vec<Admission> = (self.groups.iter())
             .map(|g| g.hash_prompt(tokens, salt))
             .collect();
-        let mut hit = hittable;
+        let hit = self.common_hit(&mut prompts, tokens, hittable);
+        let needed = (self.groups.iter().zip(&prompts))
+            .map(|(g, p)| g.admission_needs(tokens, p))
+            .sum();
+        Some((hit, needed))
+    }
+
+    /// The longest hit of at most `upto` blocks every group serves, with each group's hits
+    /// found for it: a window may serve a shorter prefix without serving a longer one, so the
+    /// hit is lowered until all groups agree.
+    fn common_hit(&self, prompts: &mut [Admission], tokens: &[Token], upto: usize) -> usize {
+        let mut hit = upto;
         loop {
-            let lowest = (self.groups.iter().zip(&mut prompts))
+            let lowest = (self.groups.iter().zip(prompts.iter_mut()))
                 .map(|(g, p)| g.find_hits(p, tokens, hit))
                 .min()
                 .expect("at least one group");

@@ -5,7 +5,7 @@
 use crate::error::invalid;
 use crate::events::EventKind;
 use crate::manager::{one_each, visit, BlockManager};
-use crate::prefix::{block_hash_of, Chain, PrefixCache};
+use crate::prefix::{block_hash_of, Chain, PrefixCache, UNPUBLISHED};
 use crate::sequence::Sequence;
 use crate::stats::Counters;
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
@@ -133,14 +133,18 @@ impl BlockManager {
     }
 
     /// Hashes the sequence's full blocks `0..n` that are not hashed yet (chaining values and
-    /// map keys).
+    /// map keys). Only group 0 publishes hashes: the chaining values of other groups' blocks
+    /// stay [`UNPUBLISHED`].
     pub(super) fn hash_blocks(&self, prefix: &PrefixCache, s: &mut Sequence, n: usize) {
         let bs = self.bs.get();
         while s.hashes.len() < n {
             let i = s.hashes.len();
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
             let key = prefix.key_block(s.parent_key(i), tokens);
-            s.hashes.push(prefix.hash_block(&s.parent_chain(i), tokens));
+            s.hashes.push(match self.group {
+                0 => prefix.hash_block(&s.parent_chain(i), tokens),
+                _ => UNPUBLISHED,
+            });
             s.keys.push(key);
         }
     }
