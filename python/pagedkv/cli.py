@@ -143,16 +143,18 @@ def _simulate_epilog() -> str:
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",
+            break_on_hyphens=False,
         )
     for c in CHAT_TRACES.values():
         lines += textwrap.wrap(
             f"{c.name}: sessions of {c.turns} turns (--num-requests counts turns); each "
             f"prompt is the previous prompt, its output and a new message (mean "
             f"{c.mean_message:g}, log-normal), output mean {c.mean_output:g}, think time mean "
-            f"{c.think:g} s (exponential); --rate: sessions per second. {c.source}",
+            f"{c.think:g} s (exponential); --rate: sessions per second; {c.source}",
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",
+            break_on_hyphens=False,
         )
     lines.append(
         "models (KV bytes per token at 16 bits, half with --kv-dtype fp8; weights; context):"
@@ -164,6 +166,7 @@ def _simulate_epilog() -> str:
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",
+            break_on_hyphens=False,
         )
     lines.append("GPUs (memory, bandwidth, dense 16-bit FLOP/s):")
     for g in GPUS.values():
@@ -207,12 +210,14 @@ def _simulate_epilog() -> str:
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",
+            break_on_hyphens=False,
         ),
         *textwrap.wrap(
             f"prefill {PREFILL_FLOP_FRACTION:.2f}: {PREFILL_FLOP_SOURCE}",
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",
+            break_on_hyphens=False,
         ),
         "",
         "--sweep-rate runs every system at every rate on the same seeded trace (the same",

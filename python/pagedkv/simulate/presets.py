@@ -176,8 +176,7 @@ UNIFORM_TRACES: dict[str, UniformTracePreset] = {
             "long-16k-32k",
             (16384, 32768),
             (128, 512),
-            "long prompts as in issue 34's Gemma-3 target (vLLM's hybrid allocator measured on "
-            "16K-32K-token prompts); output lengths are our assumption",
+            "long prompts, where windowed layers save most; both ranges are our choice",
         ),
     )
 }
@@ -191,8 +190,8 @@ CHAT_TRACES: dict[str, ChatTracePreset] = {
             161.31,
             337.99,
             30.0,
-            "6-turn sessions; message and output means are ShareGPT's (Kwon et al., SOSP 2023, "
-            "Fig. 11); the 30 s mean think time is our assumption",
+            "message and output means are ShareGPT's (Kwon et al., SOSP 2023, Fig. 11); the "
+            "30 s mean think time is our assumption",
         ),
     )
 }
