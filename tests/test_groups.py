@@ -217,3 +217,17 @@ def test_module_example() -> None:
     import pagedkv.groups
 
     assert doctest.testmod(pagedkv.groups).failed == 0
+
+
+def test_direct_construction_is_checked() -> None:
+    ok = KVGroups((FULL, sw(8)), ((1, -1), (0, 2)))
+    assert ok.group_of(2) == 1 and ok.padding_layers == 1
+    for attention, layers, field in (
+        ((FULL,), ((0,), (1,)), "attention"),
+        ((), (), "attention"),
+        ((FULL, FULL), ((0,), (1, 2)), "layers"),
+        ((FULL, FULL), ((0, 1), (1, -1)), "layers"),
+        ((FULL,), ((0, -2),), "layers"),
+    ):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            KVGroups(attention, layers)

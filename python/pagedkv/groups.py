@@ -45,12 +45,22 @@ class KVGroups:
     _where: dict[int, tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if len(self.layers) == 0 or len(self.attention) != len(self.layers):
+            raise ValueError(
+                f"attention: one per group of `layers` ({len(self.layers)}, at least one), "
+                f"got {len(self.attention)}"
+            )
+        if len({len(slots) for slots in self.layers}) != 1 or len(self.layers[0]) == 0:
+            raise ValueError("layers: every group has the same number of slots, at least one")
         where = {
             layer: (g, s)
             for g, slots in enumerate(self.layers)
             for s, layer in enumerate(slots)
             if layer >= 0
         }
+        real = [layer for slots in self.layers for layer in slots if layer != -1]
+        if len(where) != len(real) or any(layer < 0 for layer in real):
+            raise ValueError("layers: each model layer once, padding slots as -1")
         object.__setattr__(self, "_where", where)
 
     @classmethod
