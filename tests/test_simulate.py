@@ -494,7 +494,16 @@ def test_step_log_window_ends_at_the_last_waiting_step() -> None:
     log = StepLog()
     comp = Composition(1, 0, 0, 1, logical=1)
     for loaded in (True, False, True, False, False):
-        log.record(comp, time=0, decode_seconds=1, seqs=1, requests=1, generated=1, loaded=loaded)
+        log.record(
+            comp,
+            time=0,
+            decode_seconds=1,
+            needed=1,
+            seqs=1,
+            requests=1,
+            generated=1,
+            loaded=loaded,
+        )
     assert log.window(include_drain=False) == 3
     assert log.window(include_drain=True) == 5
 

@@ -122,7 +122,7 @@ def _systems(text: str) -> tuple[str, ...]:
 
 def _simulate_epilog() -> str:
     from pagedkv.simulate.metrics import MEMORY_PARTS
-    from pagedkv.simulate.presets import GPUS, MODELS, TRACES
+    from pagedkv.simulate.presets import CHAT_TRACES, GPUS, MODELS, TRACES, UNIFORM_TRACES
     from pagedkv.simulate.timing import (
         DECODE_BANDWIDTH_FRACTION,
         DECODE_BANDWIDTH_SOURCE,
@@ -136,13 +136,37 @@ def _simulate_epilog() -> str:
             f"  {t.name:<11} prompt {t.mean_prompt:g}, output {t.mean_output:g}: {t.source}"
         )
     lines.append("  Lengths are log-normal with coefficient of variation 1 (our assumption).")
+    for u in UNIFORM_TRACES.values():
+        lines += textwrap.wrap(
+            f"{u.name}: prompts uniform in {u.prompt[0]}-{u.prompt[1]}, outputs "
+            f"{u.output[0]}-{u.output[1]} tokens: {u.source}",
+            width=88,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+        )
+    for c in CHAT_TRACES.values():
+        lines += textwrap.wrap(
+            f"{c.name}: sessions of {c.turns} turns (--num-requests counts turns); each "
+            f"prompt is the previous prompt, its output and a new message (mean "
+            f"{c.mean_message:g}, log-normal), output mean {c.mean_output:g}, think time mean "
+            f"{c.think:g} s (exponential); --rate: sessions per second; {c.source}",
+            width=88,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+        )
     lines.append(
         "models (KV bytes per token at 16 bits, half with --kv-dtype fp8; weights; context):"
     )
     for m in MODELS.values():
-        lines.append(
-            f"  {m.name:<11} {m.kv_bytes_per_token:,} B/token, {m.num_params / 1e9:.2f}B "
-            f"params, {m.max_len} tokens: {m.source}"
+        lines += textwrap.wrap(
+            f"{m.name:<11} {m.kv_bytes_per_token:,} B/token, {m.num_params / 1e9:.2f}B "
+            f"params, {m.max_len} tokens: {m.source}",
+            width=88,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
         )
     lines.append("GPUs (memory, bandwidth, dense 16-bit FLOP/s):")
     for g in GPUS.values():
@@ -153,7 +177,11 @@ def _simulate_epilog() -> str:
     lines += [
         "",
         "systems, all over the same KV memory and the same FCFS continuous-batching scheduler:",
-        "  paged   pagedkv.BlockManager: blocks on demand, fork for samples and beams",
+        "  hybrid  (models whose layers attend differently) pagedkv.HybridManager: one",
+        "          group per kind of attention (pagedkv.groups), pages of equal bytes, a",
+        "          window's blocks released as it slides; prompts prefilled in chunks",
+        "  paged   pagedkv.BlockManager: blocks on demand, fork for samples and beams; for a",
+        "          hybrid model, uniform paging: every layer treated as full attention",
         "  max     one contiguous region per sequence of the max length (Orca Max)",
         "  pow2    prompt + output rounded up to a power of two (Orca Pow2)",
         "  oracle  exactly prompt + output, as if known in advance (Orca Oracle)",
@@ -172,8 +200,9 @@ def _simulate_epilog() -> str:
         "When the paged system cannot store a step's tokens it preempts the latest request,",
         "which is recomputed later (vLLM's policy); contiguous systems never need to.",
         "Step time: decode reads the weights and the batch's KV once, (weights + KV bytes) /",
-        "(peak bandwidth x --decode-bandwidth-fraction); prompt tokens add 2 x parameters",
-        "FLOPs each / (peak FLOP/s x --prefill-flop-fraction). Several GPUs add up ideally.",
+        "(peak bandwidth x --decode-bandwidth-fraction); a windowed layer reads its window",
+        "only. Prompt tokens add 2 x parameters FLOPs each / (peak FLOP/s x",
+        "--prefill-flop-fraction). Several GPUs add up ideally.",
         "Decode throughput (tok/s): tokens generated per step over the step's decode time.",
         "Default fractions are published measurements (1.0 models ideal hardware):",
         *textwrap.wrap(
@@ -181,12 +210,14 @@ def _simulate_epilog() -> str:
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",
+            break_on_hyphens=False,
         ),
         *textwrap.wrap(
             f"prefill {PREFILL_FLOP_FRACTION:.2f}: {PREFILL_FLOP_SOURCE}",
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",
+            break_on_hyphens=False,
         ),
         "",
         "--sweep-rate runs every system at every rate on the same seeded trace (the same",
@@ -204,6 +235,7 @@ def _simulate_epilog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The `pagedkv` argument parser."""
     from pagedkv.simulate.presets import GPUS, MODELS
+    from pagedkv.simulate.simulation import PREFILL_CHUNK
     from pagedkv.simulate.sweep import DEFAULT_LATENCY_BOUND
     from pagedkv.simulate.timing import DECODE_BANDWIDTH_FRACTION, PREFILL_FLOP_FRACTION
 
@@ -223,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--trace",
         default="sharegpt",
-        help="a preset (sharegpt, alpaca, azure-conv, azure-code) or a JSONL file "
-        "(default: sharegpt)",
+        help="a preset (sharegpt, alpaca, azure-conv, azure-code, long-16k-32k, chat) or a "
+        "JSONL file (default: sharegpt)",
     )
     sim.add_argument(
         "--num-requests",
@@ -290,7 +322,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--systems",
         type=_systems,
         default=None,
-        help="comma-separated subset of paged,max,pow2,oracle (default: all)",
+        help="comma-separated subset of hybrid,paged,max,pow2,oracle (default: all that "
+        "apply; hybrid needs a model with windowed layers)",
+    )
+    sim.add_argument(
+        "--prefill-chunk",
+        type=_positive_int,
+        default=PREFILL_CHUNK,
+        help=f"prompt tokens per forward pass in the hybrid system ({PREFILL_CHUNK})",
+    )
+    sim.add_argument(
+        "--layers-per-group",
+        type=_positive_int,
+        help="layers per KV-cache group (page) in the hybrid system (default: the rule of "
+        "pagedkv.groups.kv_groups)",
     )
     sim.add_argument(
         "--allocator",
@@ -444,7 +489,7 @@ def _check_plot_path(plot: Path | None) -> None:
 def _simulation_config(args: argparse.Namespace) -> SimulationConfig:
     """The settings the arguments give, with the defaults that depend on model and GPU."""
     from pagedkv.simulate.presets import GPUS, MODELS, default_kv_memory
-    from pagedkv.simulate.simulation import SYSTEMS, SimulationConfig
+    from pagedkv.simulate.simulation import SimulationConfig, default_systems
 
     model = MODELS[args.model]
     if args.kv_dtype == "fp8":
@@ -453,9 +498,12 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig:
     kv_memory = args.kv_memory
     if kv_memory is None:
         kv_memory = default_kv_memory(model, gpu, args.gpus)
-    systems = args.systems if args.systems is not None else tuple(SYSTEMS)
+    systems = args.systems if args.systems is not None else default_systems(model)
     slots = kv_memory // model.kv_bytes_per_token
-    if slots > _MAX_SLOTS and "paged" in systems:
+    if "hybrid" in systems:  # a page holds `layers_per_group` layers' slots
+        per_group = model.groups(args.layers_per_group).layers_per_group
+        slots = max(slots, kv_memory // (model.layer_bytes_per_token * per_group))
+    if slots > _MAX_SLOTS and ("paged" in systems or "hybrid" in systems):
         raise _UsageError(
             f"KV memory of {kv_memory} bytes holds {slots} token slots of {model.name}; the "
             f"block manager addresses at most {_MAX_SLOTS} (int32 slots): lower --kv-memory"
@@ -475,6 +523,8 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig:
         allocator=args.allocator,
         bandwidth_fraction=args.decode_bandwidth_fraction,
         flop_fraction=args.prefill_flop_fraction,
+        prefill_chunk=args.prefill_chunk,
+        layers_per_group=args.layers_per_group,
     )
 
 
@@ -482,20 +532,42 @@ def _trace_source(
     args: argparse.Namespace, max_len: int, sweeping: bool
 ) -> tuple[Callable[[float], list[Request]], str, int]:
     """The trace at a given arrival rate, its name, and its number of requests."""
-    from pagedkv.simulate.presets import TRACES
-    from pagedkv.simulate.trace import load_jsonl, synthetic_trace, with_poisson_arrivals
+    from pagedkv.simulate.presets import CHAT_TRACES, TRACES, UNIFORM_TRACES
+    from pagedkv.simulate.trace import (
+        chat_trace,
+        load_jsonl,
+        synthetic_trace,
+        uniform_trace,
+        with_poisson_arrivals,
+    )
 
-    preset = TRACES.get(args.trace.lower())
-    if preset is not None:
-        count = args.num_requests or 1000
+    name = args.trace.lower()
+    count = args.num_requests or 1000
+    draw: Callable[[float], list[Request]] | None = None
+    if name in TRACES:
+        preset = TRACES[name]
 
-        def synthetic(rate: float) -> list[Request]:
+        def draw(rate: float) -> list[Request]:
             return synthetic_trace(preset, count, max_len=max_len, rate=rate, seed=args.seed)
 
-        return synthetic, preset.name, count
-    if not (args.trace.lower().endswith(".jsonl") or Path(args.trace).exists()):
+    elif name in UNIFORM_TRACES:
+        uniform = UNIFORM_TRACES[name]
+
+        def draw(rate: float) -> list[Request]:
+            return uniform_trace(uniform, count, max_len=max_len, rate=rate, seed=args.seed)
+
+    elif name in CHAT_TRACES:
+        chat = CHAT_TRACES[name]
+
+        def draw(rate: float) -> list[Request]:
+            return chat_trace(chat, count, max_len=max_len, rate=rate, seed=args.seed)
+
+    if draw is not None:
+        return draw, name, count
+    if not (name.endswith(".jsonl") or Path(args.trace).exists()):
+        presets = ", ".join([*TRACES, *UNIFORM_TRACES, *CHAT_TRACES])
         raise _UsageError(
-            f"unknown trace {args.trace!r}: not a preset ({', '.join(TRACES)}) nor a .jsonl file"
+            f"unknown trace {args.trace!r}: not a preset ({presets}) nor a .jsonl file"
         )
     # In file order; arrivals all 0 unless the file gives them.
     base = load_jsonl(Path(args.trace), max_len=max_len, rate=math.inf, seed=args.seed)

@@ -12,15 +12,19 @@ prompt and the tokens it already generated when memory allows (vLLM's recompute 
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from pagedkv.simulate.errors import SimulationError
 from pagedkv.simulate.metrics import Composition, StepLog, SystemMetrics, summarize
 from pagedkv.simulate.timing import StepTimeModel
-from pagedkv.simulate.trace import Request
+from pagedkv.simulate.trace import Request, next_turns
 
 
 @dataclass(eq=False)  # identity: the scheduler removes exactly this request from its lists
@@ -31,6 +35,12 @@ class Active:
     request: Request
     width: int  # sequences it runs: parallel samples or beams
     generated: int = 0  # tokens stored per sequence beyond the prompt
+    arrived: float | None = None  # when it arrived, if not at the request's own arrival
+
+    @property
+    def started(self) -> float:
+        """When it arrived."""
+        return self.request.arrival if self.arrived is None else self.arrived
 
     @property
     def length(self) -> int:
@@ -74,21 +84,32 @@ def run(
     timing: StepTimeModel,
     include_drain: bool,
     on_finish: Callable[[int], None] | None = None,
+    need: Callable[[npt.NDArray[np.int64]], float] | None = None,
 ) -> SystemMetrics:
-    """Drive `system` through `trace` (sorted by arrival) and summarize its memory use."""
+    """Drive `system` through `trace` (sorted by arrival) and summarize its memory use.
+
+    A request with a `think` time arrives that long after the previous turn of its
+    conversation finishes.
+
+    `need(lengths)`: the slots sequences of these lengths need at least (default: one per
+    token): the KV a decode step reads, and `SystemMetrics.bound_seqs`.
+    """
     log = StepLog()
     waiting: deque[Active] = deque()
     running: list[Active] = []
     latencies: list[float] = []
     preemptions = 0
     clock = 0.0
-    arrived = 0
-    while arrived < len(trace) or waiting or running:
-        while arrived < len(trace) and trace[arrived].arrival <= clock:
-            waiting.append(Active(arrived, trace[arrived], width))
-            arrived += 1
+    follows = next_turns(trace)
+    # (arrival, index): the trace's own arrivals, then each next turn as its previous finishes.
+    arrivals = [(r.arrival, i) for i, r in enumerate(trace) if r.think is None]
+    heapq.heapify(arrivals)
+    while arrivals or waiting or running:
+        while arrivals and arrivals[0][0] <= clock:
+            at, index = heapq.heappop(arrivals)
+            waiting.append(Active(index, trace[index], width, arrived=at))
         if not waiting and not running:
-            clock = trace[arrived].arrival  # idle until the next arrival
+            clock = arrivals[0][0]  # idle until the next arrival
             continue
         loaded = bool(waiting)
         prefill = 0
@@ -113,12 +134,15 @@ def run(
             active.generated += 1
         comp = system.composition(running)
         seqs = width * len(running)
-        decode = timing.decode_seconds(sum(a.length for a in running) * width)
+        lengths = np.fromiter((a.length for a in running), dtype=np.int64, count=len(running))
+        needed = width * (need(lengths) if need is not None else float(lengths.sum()))
+        decode = timing.decode_seconds(needed)
         clock += decode + timing.prefill_seconds(prefill)
         log.record(
             comp,
             time=clock,
             decode_seconds=decode,
+            needed=needed,
             seqs=seqs,
             requests=len(running),
             generated=seqs,
@@ -128,7 +152,10 @@ def run(
         for active in finished:
             system.release(active)
             running.remove(active)
-            latencies.append((clock - active.request.arrival) / active.request.output_len)
+            latencies.append((clock - active.started) / active.request.output_len)
+            if active.index in follows:
+                after = follows[active.index]
+                heapq.heappush(arrivals, (clock + (trace[after].think or 0.0), after))
         if finished and on_finish is not None:
             on_finish(len(finished))
     return summarize(

@@ -73,6 +73,35 @@ class Composition:
         return self.held + self.external
 
 
+@dataclass(frozen=True)
+class PrefixReuse:
+    """Prompt tokens a paged system's admissions asked for, served, and could have served."""
+
+    query_tokens: int
+    hit_tokens: int  # served from the prefix cache
+    full_group_tokens: int  # its full-attention layers alone had cached (every hit needs them)
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens served from the cache."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def full_group_rate(self) -> float:
+        """Share of prompt tokens the full-attention layers alone had cached."""
+        return self.full_group_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The counts and rates, for JSON."""
+        return {
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+            "full_group_tokens": self.full_group_tokens,
+            "hit_rate": self.hit_rate,
+            "full_group_rate": self.full_group_rate,
+        }
+
+
 @dataclass
 class StepLog:
     """Per-step records of one system's run, appended by the engine."""
@@ -84,6 +113,7 @@ class StepLog:
     internal: list[int] = field(default_factory=list)
     external: list[int] = field(default_factory=list)
     logical: list[int] = field(default_factory=list)
+    needed: list[float] = field(default_factory=list)  # slots the running sequences need
     seqs: list[int] = field(default_factory=list)
     requests: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -95,12 +125,14 @@ class StepLog:
         *,
         time: float,
         decode_seconds: float,
+        needed: float,
         seqs: int,
         requests: int,
         generated: int,
         loaded: bool,
     ) -> None:
         """Append one step."""
+        self.needed.append(needed)
         self.time.append(time)
         self.decode_seconds.append(decode_seconds)
         self.token.append(comp.token)
@@ -141,16 +173,18 @@ class SystemMetrics:
     steps: int
     window_steps: int
     decode_seconds: float  # decode time of the window's steps
+    bound_seqs: float  # mean batch if each sequence held exactly its needs (see summarize)
     series_time: npt.NDArray[np.float64] = field(repr=False, compare=False)  # step ends (s)
     series_token: npt.NDArray[np.int64] = field(repr=False, compare=False)  # slots per step
     series_held: npt.NDArray[np.int64] = field(repr=False, compare=False)
+    prefix: PrefixReuse | None = None  # paged systems: prompt tokens served from the cache
 
     def share(self, part: MemoryPart) -> float:
         """The mean share of the KV memory in `part`."""
         share: float = getattr(self, f"{part.key}_share")
         return share
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    def as_dict(self) -> dict[str, object]:
         """The scalar results, for JSON."""
         return {
             "name": self.name,
@@ -170,6 +204,8 @@ class SystemMetrics:
             "steps": self.steps,
             "window_steps": self.window_steps,
             "decode_seconds": self.decode_seconds,
+            "bound_seqs": self.bound_seqs,
+            **({"prefix": self.prefix.as_dict()} if self.prefix is not None else {}),
         }
 
 
@@ -182,7 +218,12 @@ def summarize(
     preemptions: int,
     latencies: list[float],
 ) -> SystemMetrics:
-    """Average `log` over its measured window (see `StepLog.window`)."""
+    """Average `log` over its measured window (see `StepLog.window`).
+
+    `bound_seqs` is the mean over steps of the batch the whole capacity would hold if each
+    running sequence held exactly the slots it needs (`StepLog.needed`): seqs x capacity /
+    needed.
+    """
     n = log.window(include_drain)
     if n == 0:
         raise ValueError(f"{name}: no step to measure (empty trace?)")
@@ -194,7 +235,10 @@ def summarize(
     return SystemMetrics(
         name=name,
         capacity=capacity,
-        **{f"{key}_share": float(part.mean()) / capacity for key, part in slots.items()},
+        token_share=float(slots["token"].mean()) / capacity,
+        reserved_share=float(slots["reserved"].mean()) / capacity,
+        internal_share=float(slots["internal"].mean()) / capacity,
+        external_share=float(slots["external"].mean()) / capacity,
         held_token_share=float(token.sum() / held.sum()) if held.sum() > 0 else 0.0,
         mean_seqs=float(np.mean(log.seqs[:n])),
         peak_seqs=int(np.max(log.seqs[:n])),
@@ -206,6 +250,7 @@ def summarize(
         steps=len(log.token),
         window_steps=n,
         decode_seconds=seconds,
+        bound_seqs=float(np.mean(np.asarray(log.seqs[:n]) * capacity / np.asarray(log.needed[:n]))),
         series_time=np.asarray(log.time, dtype=np.float64),
         series_token=np.asarray(log.token, dtype=np.int64),
         series_held=np.asarray(log.token, dtype=np.int64)

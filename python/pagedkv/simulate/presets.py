@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv import Attention
+from pagedkv.groups import KVGroups, layer_attention
 from pagedkv.kv_layout import KVLayout, Layout
 from pagedkv.simulate.errors import ConfigError
 
@@ -19,10 +24,37 @@ class TracePreset:
 
 
 @dataclass(frozen=True)
+class UniformTracePreset:
+    """Prompt and output lengths drawn uniformly from inclusive ranges."""
+
+    name: str
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    source: str
+
+
+@dataclass(frozen=True)
+class ChatTracePreset:
+    """Multi-turn sessions: each prompt is the previous prompt, its output and a new message.
+
+    Messages (the first prompt too) and outputs are log-normal with these means; turns of a
+    session arrive `think` seconds apart on average (exponential).
+    """
+
+    name: str
+    turns: int
+    mean_message: float
+    mean_output: float
+    think: float
+    source: str
+
+
+@dataclass(frozen=True)
 class ModelPreset:
     """A model as the simulator sees it: KV bytes per token, weight bytes and context length.
 
     `kv_layout` is per-head K and V (`NHD`) or MLA's latent of `head_dim` plus `rope_dim`.
+    `attention` gives each layer's attention (empty: every layer is full attention).
     """
 
     name: str
@@ -32,16 +64,58 @@ class ModelPreset:
     num_params: float
     max_len: int
     source: str
-    dtype_bytes: int = 2  # fp16 / bf16 weights
+    dtype_bytes: float = 2  # fp16 / bf16 weights
     kv_layout: Layout = "NHD"
     rope_dim: int = 0
     kv_dtype_bytes: int = 2  # 1 for a float8 KV cache
+    attention: tuple[Attention, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.attention and len(self.attention) != self.num_layers:
+            raise ConfigError(
+                f"{self.name}: {len(self.attention)} layer attentions for {self.num_layers} layers"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:
         """The KV of every layer for one token."""
+        return self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """The KV of one layer for one token."""
         kv = KVLayout(self.kv_layout, self.num_kv_heads, self.head_dim, self.rope_dim)
-        return kv.bytes_per_token(self.num_layers, self.kv_dtype_bytes)
+        return kv.bytes_per_token(1, self.kv_dtype_bytes)
+
+    @property
+    def layers(self) -> tuple[Attention, ...]:
+        """Each layer's attention."""
+        return self.attention or (Attention.full(),) * self.num_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer attends to less than every token."""
+        return any(a.kind != "full" for a in self.layers)
+
+    def groups(self, layers_per_group: int | None = None) -> KVGroups:
+        """The model's KV-cache groups (`pagedkv.groups`; None: the default group size)."""
+        return KVGroups.from_layers(self.layers, layers_per_group=layers_per_group)
+
+    def needed_slots(self, lengths: npt.NDArray[np.int64], block_size: int) -> float:
+        """Token slots (one token of every layer) that sequences of `lengths` tokens need if
+        each layer holds exactly what its queries can still read: full attention every
+        token, a window W min(len, W + block_size) tokens, a chunk C the current chunk's."""
+        total = 0.0
+        for attention in set(self.layers):
+            count = self.layers.count(attention)
+            if attention.window is not None:
+                held = np.minimum(lengths, attention.window + block_size)
+            elif attention.chunk is not None:
+                held = lengths - (lengths - 1) // attention.chunk * attention.chunk
+            else:
+                held = lengths
+            total += count * float(np.sum(held))
+        return total / self.num_layers
 
     @property
     def weight_bytes(self) -> float:
@@ -95,6 +169,33 @@ TRACES: dict[str, TracePreset] = {
     )
 }
 
+UNIFORM_TRACES: dict[str, UniformTracePreset] = {
+    t.name: t
+    for t in (
+        UniformTracePreset(
+            "long-16k-32k",
+            (16384, 32768),
+            (128, 512),
+            "long prompts, where windowed layers save most; both ranges are our choice",
+        ),
+    )
+}
+
+CHAT_TRACES: dict[str, ChatTracePreset] = {
+    t.name: t
+    for t in (
+        ChatTracePreset(
+            "chat",
+            6,
+            161.31,
+            337.99,
+            30.0,
+            "message and output means are ShareGPT's (Kwon et al., SOSP 2023, Fig. 11); the "
+            "30 s mean think time is our assumption",
+        ),
+    )
+}
+
 MODELS: dict[str, ModelPreset] = {
     m.name: m
     for m in (
@@ -131,6 +232,63 @@ MODELS: dict[str, ModelPreset] = {
             dtype_bytes=1,
             kv_layout="MLA",
             rope_dim=64,
+        ),
+        ModelPreset(
+            "gemma-3-27b",
+            62,
+            16,
+            128,
+            27.4e9,
+            131072,
+            "huggingface.co/google/gemma-3-27b-it/blob/main/config.json (text_config: 62 layers, "
+            "16 KV heads, head_dim 128, sliding_window 1024, sliding_window_pattern 6: every "
+            "6th layer full)",
+            attention=tuple(
+                layer_attention(
+                    {"num_hidden_layers": 62, "sliding_window": 1024, "sliding_window_pattern": 6}
+                )
+            ),
+        ),
+        ModelPreset(
+            "gpt-oss-120b",
+            36,
+            8,
+            64,
+            116.8e9,
+            131072,
+            "huggingface.co/openai/gpt-oss-120b/blob/main/config.json (36 layers alternating "
+            "sliding_attention (sliding_window 128) and full_attention, 8 KV heads, head_dim 64; "
+            "MXFP4 MoE weights, counted at 4.25 bits)",
+            dtype_bytes=4.25 / 8,
+            attention=tuple(
+                layer_attention(
+                    {
+                        "num_hidden_layers": 36,
+                        "sliding_window": 128,
+                        "layer_types": ["sliding_attention", "full_attention"] * 18,
+                    }
+                )
+            ),
+        ),
+        ModelPreset(
+            "llama-4-scout",
+            48,
+            8,
+            128,
+            109e9,
+            10485760,
+            "huggingface.co/meta-llama/Llama-4-Scout-17B-16E-Instruct/blob/main/config.json "
+            "(48 layers, 8 KV heads, head_dim 128, attention_chunk_size 8192; no_rope_layers: "
+            "every 4th layer is a full-attention NoPE layer, the others chunked)",
+            attention=tuple(
+                layer_attention(
+                    {
+                        "num_hidden_layers": 48,
+                        "attention_chunk_size": 8192,
+                        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)],
+                    }
+                )
+            ),
         ),
     )
 }

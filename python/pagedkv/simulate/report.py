@@ -6,9 +6,12 @@ import json
 import math
 import textwrap
 
-from pagedkv.simulate.metrics import MEMORY_PARTS
+import numpy as np
+
+from pagedkv.simulate.metrics import MEMORY_PARTS, SystemMetrics
 from pagedkv.simulate.simulation import SimulationResult
 from pagedkv.simulate.sweep import RateRatio, Sustained, SweepResult
+from pagedkv.simulate.trace import final_histories
 
 LEGEND = (
     "; ".join(f"{p.label}: {p.definition}" for p in MEMORY_PARTS)
@@ -40,7 +43,7 @@ def _header(result: SimulationResult, arrivals: str) -> list[str]:
         f"{c.capacity:,} token slots ({c.num_blocks:,} blocks of {c.block_size}); "
         f"max length {c.max_len}"
     )
-    if any(key != "paged" for key in c.systems):
+    if any(key not in ("paged", "hybrid") for key in c.systems):
         model_line += f"; contiguous regions placed by {c.allocator} allocation"
     t = c.timing
     timing_line = (
@@ -81,16 +84,94 @@ def format_table(result: SimulationResult) -> str:
         )
     last = result.trace[-1].arrival
     arrivals = "all arriving at t=0" if last == 0 else f"arriving over {last:.1f} s"
+    if any(r.think is not None for r in result.trace):
+        start = "starting at t=0" if last == 0 else f"starting over {last:.1f} s"
+        arrivals = f"conversations {start}, each turn a think time after the previous one"
     out = [*_header(result, arrivals), "", *_aligned(columns, rows)]
-    if result.config.width > 1 or any(r.prefix_id is not None for r in result.trace):
+    shared = any(r.prefix_id is not None or r.conversation is not None for r in result.trace)
+    if result.config.width > 1 or shared:
         for key, m in zip(result.config.systems, result.systems, strict=True):
-            if key == "paged":
+            if key in ("paged", "hybrid"):
                 out.append(
                     f"{m.name}: sharing blocks (fork, prefix cache) saved "
                     f"{m.sharing_saving:.1%} of the memory its sequences would hold unshared"
                 )
+    if shared:
+        out += ["", *_prefix_lines(result)]
+    if result.config.model.is_hybrid:
+        out += ["", *_hybrid_lines(result)]
     out += ["", *textwrap.wrap(LEGEND, width=100)]
     return "\n".join(out)
+
+
+def _metrics(result: SimulationResult, key: str) -> SystemMetrics | None:
+    if key not in result.config.systems:
+        return None
+    return result.systems[result.config.systems.index(key)]
+
+
+def _hybrid_lines(result: SimulationResult) -> list[str]:
+    """The groups, the exact-needs bound and the hybrid system's ratios."""
+    model = result.config.model
+    groups = result.config.groups()
+    names = [
+        a.kind.replace("_", " ")
+        + (f" {a.window}" if a.window is not None else f" {a.chunk}" if a.chunk else "")
+        for a in groups.attention
+    ]
+    kinds = ", ".join(f"{names.count(n)} {n}" for n in dict.fromkeys(names))
+    page = groups.layers_per_group * result.config.block_size * model.layer_bytes_per_token
+    out = [
+        f"hybrid groups: {groups.num_groups} groups of {groups.layers_per_group} layers "
+        f"({kinds}); {groups.padding_layers} padding slots; pages of {page / 2**20:.3g} MiB",
+        f"prefill in chunks of {result.config.prefill_chunk} tokens in the hybrid system "
+        "(the uniform one holds every block of every layer anyway)",
+    ]
+    out += textwrap.wrap(
+        "bound: the mean batch if every running sequence held exactly what its layers' "
+        "queries can still read (full attention: every token; sliding window W: min(len, "
+        "W + block) tokens; chunked C: the current chunk), with no pages and no padding: per "
+        "step, running sequences x KV memory / their needs.",
+        width=100,
+    )
+    hybrid, uniform = _metrics(result, "hybrid"), _metrics(result, "paged")
+    if hybrid is not None:
+        out.append(
+            f"  hybrid: mean batch {hybrid.mean_seqs:.2f}, bound {hybrid.bound_seqs:.2f}: "
+            f"{hybrid.mean_seqs / hybrid.bound_seqs:.1%} of the bound"
+        )
+    if hybrid is not None and uniform is not None and uniform.mean_seqs > 0:
+        out.append(
+            f"  hybrid / uniform paged mean batch, same KV memory: "
+            f"{hybrid.mean_seqs / uniform.mean_seqs:.2f}x ({hybrid.mean_seqs:.2f} / "
+            f"{uniform.mean_seqs:.2f})"
+        )
+    return out
+
+
+def _prefix_lines(result: SimulationResult) -> list[str]:
+    """Prefix hits of the paged systems, against what their full-attention layers had."""
+    out = []
+    histories = final_histories(result.trace)
+    if histories:
+        c = result.config
+        lengths = np.asarray(histories, dtype=np.int64)
+        needed = c.model.needed_slots(lengths, c.block_size)
+        out.append(
+            f"conversations' histories at their last turn: {int(lengths.sum()):,} tokens in "
+            f"{len(histories)} conversations; the KV memory holds {c.capacity / needed:.2f}x "
+            f"their exact needs ({c.capacity / lengths.sum():.2f}x their tokens in every layer)"
+        )
+    for m in result.systems:
+        if m.prefix is None:
+            continue
+        p = m.prefix
+        ratio = p.hit_tokens / p.full_group_tokens if p.full_group_tokens else 1.0
+        out.append(
+            f"{m.name}: prefix hits {p.hit_rate:.1%} of prompt tokens; its full-attention "
+            f"layers alone had {p.full_group_rate:.1%} cached: hits are {ratio:.1%} of that"
+        )
+    return out
 
 
 def _sustained(s: Sustained) -> str:

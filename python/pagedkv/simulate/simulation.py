@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedkv.groups import KVGroups
 from pagedkv.simulate.address_space import ALLOCATORS
 from pagedkv.simulate.contiguous import (
     ContiguousSystem,
@@ -19,17 +21,23 @@ from pagedkv.simulate.contiguous import (
 from pagedkv.simulate.engine import KVSystem, run
 from pagedkv.simulate.errors import ConfigError
 from pagedkv.simulate.metrics import SystemMetrics
-from pagedkv.simulate.paged import EventSink, PagedSystem
+from pagedkv.simulate.paged import EventSink, PagedBase, PagedSystem
 from pagedkv.simulate.presets import GpuPreset, ModelPreset
 from pagedkv.simulate.timing import (
     DECODE_BANDWIDTH_FRACTION,
     PREFILL_FLOP_FRACTION,
     StepTimeModel,
 )
-from pagedkv.simulate.trace import Request
+from pagedkv.simulate.trace import Request, next_turns
+
+# Prompt tokens per forward pass of the hybrid system: it allocates and plans a prompt in
+# chunks (`allocate`, then `append` + `plan`), so a windowed group holds at most about a chunk
+# and a window of it at any time. The size is our choice (--prefill-chunk).
+PREFILL_CHUNK = 2048
 
 # System key -> the label shown in reports.
 SYSTEMS: dict[str, str] = {
+    "hybrid": "hybrid paged (pagedkv)",
     "paged": "paged (pagedkv)",
     "max": "contiguous max",
     "pow2": "contiguous pow2",
@@ -57,7 +65,9 @@ class SimulationConfig:
     seed: int = 0
     include_drain: bool = False
     watermark: float = 0.01
-    systems: tuple[str, ...] = tuple(SYSTEMS)
+    systems: tuple[str, ...] = ("paged", "max", "pow2", "oracle")
+    prefill_chunk: int = PREFILL_CHUNK  # the hybrid system's prompt tokens per forward pass
+    layers_per_group: int | None = None  # the hybrid system's; None: `pagedkv.groups`' rule
     allocator: str = "buddy"  # places contiguous regions: "buddy" (the paper's) or "first-fit"
     bandwidth_fraction: float = DECODE_BANDWIDTH_FRACTION  # of peak bandwidth, in decode
     flop_fraction: float = PREFILL_FLOP_FRACTION  # of peak FLOP/s, in prefill
@@ -80,6 +90,14 @@ class SimulationConfig:
             (self.seed >= 0, f"seed must not be negative, got {self.seed}"),
             (0 <= self.watermark < 1, f"watermark must be in [0, 1), got {self.watermark}"),
             (len(self.systems) > 0, "no system to simulate"),
+            (
+                self.prefill_chunk >= 1,
+                f"prefill chunk must be positive, got {self.prefill_chunk}",
+            ),
+            (
+                self.layers_per_group is None or self.layers_per_group >= 1,
+                f"layers per group must be positive, got {self.layers_per_group}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -110,6 +128,10 @@ class SimulationConfig:
                 f"KV memory holds {self.capacity} token slots, fewer than one max-length "
                 f"request ({self.width} x {self.max_len}); lower --max-len or add memory"
             )
+
+    def groups(self) -> KVGroups:
+        """The hybrid system's KV-cache groups."""
+        return self.model.groups(self.layers_per_group)
 
     @property
     def width(self) -> int:
@@ -144,9 +166,24 @@ class SimulationConfig:
             "include_drain": self.include_drain,
             "watermark": self.watermark,
             "allocator": self.allocator,
+            "prefill_chunk": self.prefill_chunk,
+            "layers_per_group": self.groups().layers_per_group,
             "decode_bandwidth_fraction": self.bandwidth_fraction,
             "prefill_flop_fraction": self.flop_fraction,
         }
+
+
+def default_systems(model: ModelPreset) -> tuple[str, ...]:
+    """Every system that applies to `model`: the hybrid one only where layers attend apart."""
+    return tuple(key for key in SYSTEMS if key != "hybrid" or model.is_hybrid)
+
+
+def system_label(key: str, model: ModelPreset) -> str:
+    """The report label of system `key`; for a hybrid model the plain paged system is the
+    uniform one (every layer treated as full attention)."""
+    if key == "paged" and model.is_hybrid:
+        return "uniform paged (pagedkv)"
+    return SYSTEMS[key]
 
 
 def trace_summary(trace: Sequence[Request], name: str) -> dict[str, object]:
@@ -184,6 +221,7 @@ def build_system(
     event_sink: EventSink | None = None,
 ) -> KVSystem:
     """A fresh system `key` over the configured KV memory (`event_sink`: see PagedSystem)."""
+    name = system_label(key, config.model)
     if key == "paged":
         return PagedSystem(
             config.num_blocks,
@@ -192,11 +230,26 @@ def build_system(
             beam=config.beam_width > 1,
             seed=config.seed,
             watermark=config.watermark,
-            name=SYSTEMS[key],
+            name=name,
             event_sink=event_sink,
         )
+    if key == "hybrid":
+        from pagedkv.simulate.hybrid import HybridPagedSystem
+
+        return HybridPagedSystem(
+            config.model,
+            config.kv_memory,
+            config.block_size,
+            trace,
+            beam=config.beam_width > 1,
+            seed=config.seed,
+            watermark=config.watermark,
+            prefill_chunk=config.prefill_chunk,
+            layers_per_group=config.layers_per_group,
+            name=name,
+        )
     space = ALLOCATORS[config.allocator](config.capacity)
-    return ContiguousSystem(SYSTEMS[key], space, _POLICIES[key], config.max_len)
+    return ContiguousSystem(name, space, _POLICIES[key], config.max_len)
 
 
 def simulate(
@@ -221,17 +274,22 @@ def simulate(
         raise ConfigError(
             f"request {too_long[0]} has {r.final_len} tokens, over the max length {config.max_len}"
         )
+    next_turns(trace)  # checks the conversations' think times
+    if config.width > 1 and any(r.conversation is not None for r in trace):
+        raise ConfigError("a conversation trace runs one sequence per request (no -n or beams)")
     results = []
     for key in config.systems:
         system = build_system(key, trace, config, event_sink)
-        results.append(
-            run(
-                system,
-                trace,
-                width=config.width,
-                timing=config.timing,
-                include_drain=config.include_drain,
-                on_finish=on_finish(system.name) if on_finish is not None else None,
-            )
+        metrics = run(
+            system,
+            trace,
+            width=config.width,
+            timing=config.timing,
+            include_drain=config.include_drain,
+            on_finish=on_finish(system.name) if on_finish is not None else None,
+            need=lambda lengths: config.model.needed_slots(lengths, config.block_size),
         )
+        if isinstance(system, PagedBase):
+            metrics = dataclasses.replace(metrics, prefix=system.prefix_reuse)
+        results.append(metrics)
     return SimulationResult(trace_name, trace, config, results)

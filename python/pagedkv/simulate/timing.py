@@ -80,8 +80,8 @@ class StepTimeModel:
             flop_fraction=flop_fraction,
         )
 
-    def decode_seconds(self, context_tokens: int) -> float:
-        """Reading the weights and the KV of `context_tokens` once."""
+    def decode_seconds(self, context_tokens: float) -> float:
+        """Reading the weights and the KV of `context_tokens` once (tokens of every layer)."""
         read = self.weight_bytes + self.kv_bytes_per_token * context_tokens
         return read / (self.bandwidth * self.bandwidth_fraction)
 

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.simulate.errors import TraceError
-from pagedkv.simulate.presets import TracePreset
+from pagedkv.simulate.presets import ChatTracePreset, TracePreset, UniformTracePreset
 
 # Coefficient of variation of the synthetic log-normal lengths. The presets publish means only;
 # a CV of 1 gives the long right tail that chat and code traces show. This shape is our
@@ -25,7 +25,10 @@ class Request:
     """One request: prompt and output lengths in tokens, arrival time in seconds.
 
     Requests with the same `prefix_id` share their first `prefix_len` prompt tokens, so the
-    paged system can share those blocks through its prefix cache.
+    paged system can share those blocks through its prefix cache. Requests of one
+    `conversation` are turns of one token history: a turn's prompt is the history's first
+    `prompt_len` tokens and its output the next `output_len`. A later turn with a `think`
+    time arrives that many seconds after the previous turn finishes (not at `arrival`).
     """
 
     prompt_len: int
@@ -33,6 +36,8 @@ class Request:
     arrival: float = 0.0
     prefix_id: str | None = None
     prefix_len: int = 0
+    conversation: str | None = None
+    think: float | None = None
 
     @property
     def final_len(self) -> int:
@@ -111,6 +116,86 @@ def synthetic_trace(
         outputs.extend(o[fits][:need].tolist())
     arrivals = poisson_arrivals(num_requests, rate, rng)
     return [Request(p, o, a) for p, o, a in zip(prompts, outputs, arrivals, strict=True)]
+
+
+def uniform_trace(
+    preset: UniformTracePreset, num_requests: int, *, max_len: int, rate: float, seed: int
+) -> list[Request]:
+    """`num_requests` requests with lengths uniform in the preset's ranges, seeded."""
+    if num_requests < 1:
+        raise TraceError(f"number of requests must be at least 1, got {num_requests}")
+    longest = preset.prompt[1] + preset.output[1]
+    if longest > max_len:
+        raise TraceError(
+            f"trace {preset.name!r} reaches {longest} tokens, over the max length {max_len}; "
+            "raise --max-len"
+        )
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(preset.prompt[0], preset.prompt[1], size=num_requests, endpoint=True)
+    outputs = rng.integers(preset.output[0], preset.output[1], size=num_requests, endpoint=True)
+    arrivals = poisson_arrivals(num_requests, rate, rng)
+    return [Request(int(p), int(o), a) for p, o, a in zip(prompts, outputs, arrivals, strict=True)]
+
+
+def chat_trace(
+    preset: ChatTracePreset, num_requests: int, *, max_len: int, rate: float, seed: int
+) -> list[Request]:
+    """Sessions of `preset.turns` turns (the last may be cut to make `num_requests`): sessions
+    start as a Poisson process of `rate`; each later turn arrives a think time after the
+    previous one finishes (listed at its session's start, so the trace stays sorted).
+
+    Turn k + 1's prompt is turn k's prompt, its output and a new message; a session ends
+    early rather than exceed `max_len`.
+    """
+    if num_requests < 1:
+        raise TraceError(f"number of requests must be at least 1, got {num_requests}")
+    rng = np.random.default_rng(seed)
+    sessions = -(-num_requests // preset.turns)
+    starts = poisson_arrivals(sessions, rate, rng)
+    requests: list[Request] = []
+    for session, start in enumerate(starts):
+        left = min(preset.turns, num_requests - session * preset.turns)
+        messages = _lognormal_lengths(preset.mean_message, rng.standard_normal(left))
+        outputs = _lognormal_lengths(preset.mean_output, rng.standard_normal(left))
+        thinks = rng.exponential(preset.think, size=left)
+        history = 0
+        for turn in range(left):
+            prompt = history + int(messages[turn])
+            if prompt + int(outputs[turn]) > max_len:
+                break
+            think = float(thinks[turn]) if turn > 0 else None
+            name = f"session {session}"
+            requests.append(Request(prompt, int(outputs[turn]), start, None, 0, name, think))
+            history = prompt + int(outputs[turn])
+    if not requests:
+        raise TraceError(f"trace {preset.name!r}: no turn fits the max length {max_len}")
+    return sorted(requests, key=lambda r: r.arrival)
+
+
+def final_histories(trace: Sequence[Request]) -> list[int]:
+    """Each conversation's history at its last turn (prompt and output), in tokens."""
+    last: dict[str, int] = {}
+    for request in trace:
+        if request.conversation is not None:
+            last[request.conversation] = request.final_len
+    return list(last.values())
+
+
+def next_turns(trace: Sequence[Request]) -> dict[int, int]:
+    """Index of each turn -> index of the turn that arrives after it finishes (`think`)."""
+    previous: dict[str, int] = {}
+    follows: dict[int, int] = {}
+    for i, request in enumerate(trace):
+        if request.think is not None:
+            if request.conversation not in previous or request.think < 0:
+                raise TraceError(
+                    f"request {i}: a think time needs an earlier turn of its conversation and "
+                    f"must not be negative, got {request.think} in {request.conversation!r}"
+                )
+            follows[previous[request.conversation]] = i
+        if request.conversation is not None:
+            previous[request.conversation] = i
+    return follows
 
 
 def _positive_int(record: dict[str, object], key: str, where: str) -> int:
