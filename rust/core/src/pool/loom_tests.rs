@@ -1,7 +1,7 @@
 //! Loom models of the pool's races: revival against eviction, sharing against the last
 //! release, a registration against another holder's release, allocation against release,
-//! reset against the last release, and the runs of releases and revivals against hits and
-//! evictions.
+//! reset against the last release, the runs of releases and revivals against hits and
+//! evictions, and a release to the head of the eviction order against an eviction.
 
 use super::*;
 use loom::sync::Arc;
@@ -245,6 +245,40 @@ fn revival_run_races_eviction() {
                 std::cmp::Ordering::Greater => assert!(state.cached()),
             }
         }
+        assert_consistent(&pool);
+    });
+}
+
+/// A windowed sequence releases a block to the head of the eviction order while another thread
+/// evicts: the eviction takes the head of the moment (the released block, or the oldest cached
+/// one), never a block still held, and the order of the rest is kept.
+#[test]
+fn release_to_the_head_races_eviction() {
+    loom::model(|| {
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let blocks: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
+        for &b in &blocks {
+            pool.mark_hashed(b);
+        }
+        let (oldest, newest, window) = (blocks[0], blocks[1], blocks[2]);
+        pool.release_block(oldest, 0);
+        pool.release_block(newest, 0);
+        pool.reserve(1).unwrap();
+        let releaser = {
+            let pool = pool.clone();
+            loom::thread::spawn(move || pool.release_blocks_as([(window, 0, true)]))
+        };
+        let (evicted, was_cached) = pool.take_reserved();
+        releaser.join().unwrap();
+        assert!(was_cached);
+        let cached = pool.audit().cached;
+        if evicted == window {
+            assert_eq!(cached, vec![oldest, newest]);
+        } else {
+            assert_eq!(evicted, oldest);
+            assert_eq!(cached, vec![window, newest]);
+        }
+        assert_eq!(pool.state(evicted).refcount(), 1);
         assert_consistent(&pool);
     });
 }

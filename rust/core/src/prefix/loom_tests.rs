@@ -77,7 +77,6 @@ fn lookup_races_evict_reregister_and_revive() {
                 &NEW_CHAIN,
                 &NEW_TOKENS,
                 0,
-                0,
                 || true,
                 || pool.mark_hashed(block),
             );
@@ -126,7 +125,6 @@ fn lookup_finds_an_entry_that_shifts_back() {
                 0,
                 &[0; 32],
                 &tokens,
-                0,
                 0,
                 || true,
                 || pool.mark_hashed(block),
