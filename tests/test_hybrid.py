@@ -126,3 +126,26 @@ def test_bad_input_names_the_argument_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="batches"):
         mgr.step_batch([1, 2], [1])  # type: ignore[list-item]
     mgr.check()
+
+
+def test_paged_attention_refuses_a_windowed_plan() -> None:
+    """PagedAttention computes full causal attention: a windowed group's plan or batch would
+    read the wrong keys, so it is refused by name."""
+    torch = pytest.importorskip("torch")
+    from pagedkv.attention import PagedAttention
+
+    attn = PagedAttention(2, 1, 8, 4, device="cpu", dtype=torch.float32)
+    mgr = hybrid()
+    mgr.allocate(1, list(range(10)))
+    full, window = mgr.plan([1], [10])
+    attn.plan(full)
+    with pytest.raises(ValueError, match=r"plan\.attention"):
+        attn.plan(window)
+    batches = [Batch(), Batch()]
+    for b in batches:
+        b.add(1)
+    mgr.step_batch(batches, [3])
+    assert batches[1].attention == Attention.sliding_window(8)
+    attn.plan(batches[0])
+    with pytest.raises(ValueError, match=r"plan\.attention"):
+        attn.plan(batches[1])

@@ -192,6 +192,12 @@ class PagedAttention:
         the row arrays (no `kv_indices`). The table must live on this attention's device and
         follow this batch alone.
         """
+        attention = getattr(plan, "attention", None)
+        if attention is not None and attention.kind != "full":
+            raise ValueError(
+                f"plan.attention is {attention!r}: PagedAttention runs full causal attention, "
+                "so a windowed group's plan would read the wrong keys"
+            )
         if table is None:
             step = StepPlan.from_plan(plan, self.spec.block_size)
         else:

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 
 use pagedkv as core;
 
+use crate::attention::Attention;
 use crate::conversions::{seq_id, to_py};
 
 /// A decode batch that persists across steps (see `pagedkv.Batch`).
@@ -119,6 +120,14 @@ impl Batch {
     #[getter]
     fn block_size(&self) -> u32 {
         self.inner.inputs().block_size
+    }
+
+    /// What the last step's queries attend to (the manager's attention).
+    #[getter]
+    fn attention(&self) -> Attention {
+        Attention {
+            inner: self.inner.inputs().attention,
+        }
     }
 
     /// Columns of the block table.
