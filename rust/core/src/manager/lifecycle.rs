@@ -156,16 +156,14 @@ impl BlockManager {
         }
         self.hash_blocks(prefix, s, upto);
         // Blocks that left the attention window before their KV was computed were released
-        // unregistered.
+        // unregistered; they may reach past `upto`, whose parent key is then not hashed yet.
         let (from, bs) = (s.registered.max(s.first), self.bs.get());
-        let mut parent = s.parent_key(from);
         for i in from..upto {
             let (block, key, chain) = (s.block(i), s.keys[i], &s.hashes[i]);
-            let tokens = &s.tokens[i * bs..(i + 1) * bs];
+            let (parent, tokens) = (s.parent_key(i), &s.tokens[i * bs..(i + 1) * bs]);
             prefix.register(block, key, parent, chain, tokens, self.group, || {
                 self.publish(s, i, block, chain, tokens);
             });
-            parent = key;
         }
         s.registered = upto;
     }
