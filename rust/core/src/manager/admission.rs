@@ -71,8 +71,7 @@ impl BlockManager {
             }
             let needed = self.admission_needs(tokens, &prompt);
             self.reserve_gpu(needed)?;
-            let Some((table, used)) = self.acquire_hits(&prompt) else {
-                self.gpu.unreserve(needed);
+            let Some((table, used)) = self.acquire_hits(&prompt, needed) else {
                 continue;
             };
             let needed = needed - used;
@@ -115,17 +114,23 @@ impl BlockManager {
         }
     }
 
-    /// Takes the prompt's hits (reserved): the table of the hit blocks and how many reserved
-    /// blocks that used, or `None` (nothing taken) if another thread changed a hit since.
-    pub(super) fn acquire_hits(&self, prompt: &Admission) -> Option<(Vec<BlockId>, usize)> {
+    /// Takes the prompt's hits, for which the caller reserved `reserved` blocks: the table of
+    /// the hit blocks and how many reserved blocks reviving them used, or `None` if another
+    /// thread changed a hit since: then nothing is taken and the reservation is given back.
+    pub(super) fn acquire_hits(
+        &self,
+        prompt: &Admission,
+        reserved: usize,
+    ) -> Option<(Vec<BlockId>, usize)> {
         let Some(p) = &prompt.0 else {
             return Some((Vec::new(), 0));
         };
         let (acquired, used) = self.gpu.acquire_hits(&p.hits, self.bs.get() as u32);
         let table: Vec<BlockId> = p.hits[..acquired].iter().map(|&(block, _)| block).collect();
         if acquired < p.hits.len() {
+            // Releasing the revived hits makes the `used` blocks available again.
             self.release_gpu_blocks(&table, 0, 0, table.len() * self.bs.get());
-            self.gpu.unreserve(used);
+            self.gpu.unreserve(reserved - used);
             return None;
         }
         Some((table, used))
@@ -429,6 +434,35 @@ mod tests {
         let (reused, loads) = mgr.allocate_loading(3, &prompt, 2, None).unwrap();
         assert_eq!((reused, loads), (8, vec![]));
         mgr.confirm_loads(3, 0).unwrap_err();
+        mgr.check().unwrap();
+    }
+
+    /// An admission whose hit was evicted after its lookup (by another thread) gives back
+    /// exactly what it reserved, and retries.
+    #[test]
+    fn a_lost_race_for_a_hit_gives_back_its_reservation() {
+        let mgr = manager(8, 4, |_| {});
+        let prompt: Vec<Token> = (1..=9).collect();
+        mgr.allocate(1, &prompt, None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.commit(&[1], None).unwrap();
+        mgr.free(1).unwrap();
+        // Blocks 1 and 0 are cached (1 at the head), the other six free.
+        let mut admission = mgr.hash_prompt(&prompt, None);
+        assert_eq!(mgr.find_hits(&mut admission, &prompt, 2), 2);
+        // Another sequence takes the free blocks and evicts block 1, then leaves.
+        mgr.allocate(2, &(100..128).collect::<Vec<_>>(), None)
+            .unwrap();
+        assert_eq!(mgr.stats().evictions, 1);
+        mgr.free(2).unwrap();
+        let needed = mgr.admission_needs(&prompt, &admission);
+        mgr.reserve_gpu(needed).unwrap();
+        // Block 0 is revived, block 1 is not the block it was: nothing is taken.
+        assert!(mgr.acquire_hits(&admission, needed).is_none());
+        mgr.check().unwrap();
+        let st = mgr.stats();
+        assert_eq!((st.num_free, st.num_cached, st.num_held), (7, 1, 0));
+        assert_eq!(mgr.allocate(3, &prompt, None).unwrap(), 4);
         mgr.check().unwrap();
     }
 

@@ -148,7 +148,8 @@ impl HybridManager {
         // No other operation runs, so no hit found above was evicted since.
         let mut tables = Vec::with_capacity(self.groups.len());
         for (g, p) in self.groups.iter().zip(&prompts) {
-            tables.push(g.acquire_hits(p).expect("hits are stable under the lock"));
+            let reserved = g.admission_needs(tokens, p);
+            tables.push((g.acquire_hits(p, reserved)).expect("hits are stable under the lock"));
         }
         let bs = self.groups[0].bs.get();
         let mut loads = Vec::with_capacity(self.groups.len());
