@@ -50,6 +50,8 @@ pub struct BlockManager {
     /// blocks apart from other groups' in the shared prefix cache, and only group 0 records
     /// events.
     group: u8,
+    /// Whether group 0's blocks are announced ([`Shared`]'s `announced`).
+    announced: bool,
     seqs: SequenceMap,
     cpu_tier: CpuTier,
     events: Arc<EventLog>,
@@ -65,12 +67,17 @@ pub(crate) struct Shared {
     cpu: Arc<BlockPool>,
     prefix: Option<Arc<PrefixCache>>,
     events: Arc<EventLog>,
+    /// Whether group 0's blocks are announced by events: only with full attention (a windowed
+    /// group releases blocks whose children it still holds, which a router's tree cannot
+    /// follow).
+    pub(crate) announced: bool,
 }
 
 impl BlockManager {
     /// A manager with every block FREE.
     pub fn new(config: Config) -> Result<BlockManager, Error> {
-        let shared = BlockManager::shared(&config)?;
+        let mut shared = BlockManager::shared(&config)?;
+        shared.announced = config.attention == Attention::Full;
         Ok(BlockManager::in_group(config, &shared, 0))
     }
 
@@ -84,6 +91,7 @@ impl BlockManager {
             cpu: Arc::clone(&shared.cpu),
             prefix: shared.prefix.clone(),
             group,
+            announced: shared.announced,
             seqs: SequenceMap::new(),
             cpu_tier: CpuTier::default(),
             events: Arc::clone(&shared.events),
@@ -126,6 +134,7 @@ impl BlockManager {
             cpu: Arc::new(cpu),
             prefix,
             events: Arc::new(EventLog::new(config.enable_events)),
+            announced: true,
         })
     }
 
@@ -308,11 +317,9 @@ impl BlockManager {
         s.table_changed();
     }
 
-    /// Whether this manager's blocks are announced by events: only a full-attention group 0
-    /// (a windowed one releases blocks whose children it still holds, which a router's tree
-    /// cannot follow).
+    /// Whether this manager's blocks are announced by events: group 0's, with full attention.
     fn announces(&self) -> bool {
-        self.group == 0 && self.config.attention == Attention::Full
+        self.group == 0 && self.announced
     }
 
     /// Whether this manager records events.
@@ -437,7 +444,7 @@ impl BlockManager {
         if evicted {
             if let Some(prefix) = &self.prefix {
                 prefix.unregister(block, || {
-                    if prefix.group_of(block) != 0 || !self.announces() {
+                    if prefix.group_of(block) != 0 || !self.announced {
                         return;
                     }
                     self.events.record(|| EventKind::BlockRemoved {

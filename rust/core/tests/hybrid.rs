@@ -336,3 +336,79 @@ fn a_chunked_prompt_keeps_the_window_at_its_end() {
     assert_eq!(mgr.cached_prefix_blocks(&prompt, None), 4);
     mgr.check().unwrap();
 }
+
+/// Without auto-commit, steps may release window blocks whose KV is still being computed, past
+/// the prompt's hashed blocks; a later commit that covers only some of them registers none of
+/// them, and never reads the map keys of blocks past what it commits.
+#[test]
+fn a_commit_short_of_the_window_registers_nothing_released() {
+    let mut config = config(32, 4);
+    config.attention = Attention::SlidingWindow(4);
+    config.auto_commit = false;
+    let mgr = BlockManager::new(config).unwrap();
+    mgr.allocate(1, &[0, 1, 2, 3], None).unwrap();
+    let mut plan = Plan::new();
+    mgr.plan(&[1], &[4], &mut plan).unwrap();
+    for t in 4..16 {
+        mgr.step(&[1], &[t], &mut plan).unwrap();
+    }
+    // Query 15 reads 12..=15: blocks 0 to 2 left the window before their KV was committed.
+    assert_eq!(mgr.first_block(1).unwrap(), 3);
+    assert_eq!(mgr.stats().num_held, 1);
+    mgr.commit(&[1], Some(&[4])).unwrap();
+    mgr.check().unwrap();
+    assert_eq!(mgr.stats().num_cached, 0, "released unregistered");
+    mgr.commit(&[1], None).unwrap();
+    mgr.check().unwrap();
+    // Block 3 is registered now: a request resuming at position 16 reads only it.
+    let resume: Vec<u32> = (0..17).collect();
+    assert_eq!(mgr.cached_prefix_blocks(&resume, None), 4);
+}
+
+/// A hybrid swap-out that finds too few CPU blocks has already auto-committed its sequences in
+/// every group, as a single manager's swap-out does before it counts.
+#[test]
+fn a_hybrid_swap_out_commits_before_it_counts_cpu_blocks() {
+    let mut config = config(32, 4);
+    config.num_cpu_blocks = 2;
+    let mgr = HybridManager::new(config, &[Attention::Full, Attention::SlidingWindow(4)]).unwrap();
+    mgr.allocate(1, &[1; 10], None).unwrap();
+    let mut p = plans(2);
+    mgr.plan(&[1], &[10], &mut p).unwrap();
+    assert_eq!(
+        mgr.swap_out(&[1]),
+        Err(Error::OutOfBlocks {
+            pool: PoolKind::Cpu,
+            needed: 6,
+            available: 2
+        })
+    );
+    assert_eq!(mgr.num_computed(1).unwrap(), 10);
+    for group in 0..2 {
+        assert_eq!(mgr.stats(group).unwrap().computed_tokens, 10);
+    }
+    mgr.check().unwrap();
+}
+
+/// A windowed sequence rolled back to the block its next query starts at holds no block, and
+/// grows again from there.
+#[test]
+fn a_window_rolled_back_to_a_block_boundary_holds_no_block() {
+    let mut config = config(16, 4);
+    config.attention = Attention::ChunkedLocal(8);
+    config.auto_commit = false;
+    let mgr = BlockManager::new(config).unwrap();
+    mgr.allocate(1, &[1; 8], None).unwrap();
+    let mut plan = Plan::new();
+    mgr.plan(&[1], &[8], &mut plan).unwrap();
+    mgr.commit(&[1], None).unwrap();
+    mgr.step(&[1], &[2], &mut plan).unwrap();
+    // Query 8 starts a chunk: blocks 0 and 1 left it.
+    assert_eq!(mgr.first_block(1).unwrap(), 2);
+    mgr.rollback(&[1], &[1]).unwrap();
+    assert_eq!(mgr.block_table(1).unwrap(), Vec::<u32>::new());
+    mgr.check().unwrap();
+    mgr.step(&[1], &[3], &mut plan).unwrap();
+    assert_eq!(plan.kv_indptr, vec![0, 1]);
+    mgr.check().unwrap();
+}

@@ -157,6 +157,7 @@ impl BlockManager {
         let (acquired, used) = self.gpu.acquire_hits(&p.hits, self.bs.get() as u32);
         let table: Vec<BlockId> = p.hits[..acquired].iter().map(|&(block, _)| block).collect();
         if acquired < p.hits.len() {
+            // Releasing the revived hits makes the `used` blocks available again.
             self.release_gpu_blocks(&table, 0, 0, table.len() * self.bs.get());
             return Err(used);
         }
@@ -324,7 +325,9 @@ impl BlockManager {
     /// held but are no longer shared with new prompts; the CPU tier is no longer announced.
     pub fn reset_prefix_cache(&self) {
         let Some(prefix) = &self.prefix else {
-            self.events.record(|| EventKind::AllBlocksCleared);
+            if self.announces() {
+                self.events.record(|| EventKind::AllBlocksCleared);
+            }
             return;
         };
         let mut regions = prefix.lock_all();
@@ -335,8 +338,11 @@ impl BlockManager {
         }
         // Under the map's locks and the CPU tier's, so no GPU or CPU event can slip in before
         // this one for a block it clears.
-        self.cpu_tier
-            .clear(|| self.events.record(|| EventKind::AllBlocksCleared));
+        self.cpu_tier.clear(|| {
+            if self.announces() {
+                self.events.record(|| EventKind::AllBlocksCleared)
+            }
+        });
     }
 
     /// The prompt's hit in blocks and the blocks admitting it would take. Read-only.
@@ -506,6 +512,37 @@ mod tests {
         let (reused, loads) = mgr.allocate_loading(3, &prompt, 2, None).unwrap();
         assert_eq!((reused, loads), (8, vec![]));
         mgr.confirm_loads(3, 0).unwrap_err();
+        mgr.check().unwrap();
+    }
+
+    /// An admission whose hit was evicted after its lookup (by another thread) gives back
+    /// exactly what it reserved, and retries.
+    #[test]
+    fn a_lost_race_for_a_hit_gives_back_its_reservation() {
+        let mgr = manager(8, 4, |_| {});
+        let prompt: Vec<Token> = (1..=9).collect();
+        mgr.allocate(1, &prompt, None).unwrap();
+        prefill(&mgr, &[1]);
+        mgr.commit(&[1], None).unwrap();
+        mgr.free(1).unwrap();
+        // Blocks 1 and 0 are cached (1 at the head), the other six free.
+        let mut admission = mgr.hash_prompt(&prompt, &crate::HashKeys::default());
+        assert_eq!(mgr.find_hits(&mut admission, &prompt, 2), 2);
+        // Another sequence takes the free blocks and evicts block 1, then leaves.
+        mgr.allocate(2, &(100..128).collect::<Vec<_>>(), None)
+            .unwrap();
+        assert_eq!(mgr.stats().evictions, 1);
+        mgr.free(2).unwrap();
+        let needed = mgr.admission_needs(&prompt, &admission);
+        mgr.reserve_gpu(needed).unwrap();
+        // Block 0 is revived, block 1 is not the block it was: nothing is taken, and what
+        // the revival used went back to the pool with the hit released again.
+        let used = mgr.acquire_hits(&admission).unwrap_err();
+        mgr.gpu.unreserve(needed - used);
+        mgr.check().unwrap();
+        let st = mgr.stats();
+        assert_eq!((st.num_free, st.num_cached, st.num_held), (7, 1, 0));
+        assert_eq!(mgr.allocate(3, &prompt, None).unwrap(), 4);
         mgr.check().unwrap();
     }
 

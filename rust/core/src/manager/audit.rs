@@ -186,12 +186,14 @@ impl BlockManager {
             }
             computed_tokens += s.computed as u64;
             pending_tokens += (len - s.computed) as u64;
-            let tail = *s.table.last().expect("a sequence has a block");
+            // A windowed sequence rolled back to the block its next query starts at holds none.
             let private_tail = s.swapped || s.shared_tail || bs.offset(len) == 0;
-            if !private_tail && gpu.states[tail as usize].refcount() != 1 {
-                return Err(err(format!(
-                    "partial last block {tail} shared but not marked"
-                )));
+            if let Some(&tail) = s.table.last().filter(|_| !private_tail) {
+                if gpu.states[tail as usize].refcount() != 1 {
+                    return Err(err(format!(
+                        "partial last block {tail} shared but not marked"
+                    )));
+                }
             }
             let gpu_fill = &mut holders.gpu_fill;
             let mut hold = |refs: &mut Vec<u32>, block: BlockId, fill: Option<u32>| {

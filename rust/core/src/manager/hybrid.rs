@@ -43,7 +43,8 @@ impl HybridManager {
                 "config.attention: give each group's attention in `groups`",
             ));
         }
-        let shared = BlockManager::shared(&config)?;
+        let mut shared = BlockManager::shared(&config)?;
+        shared.announced = groups[0] == Attention::Full;
         let mut built = Vec::with_capacity(groups.len());
         for (g, &attention) in groups.iter().enumerate() {
             let group_config = Config {

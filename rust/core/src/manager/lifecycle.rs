@@ -162,7 +162,7 @@ impl BlockManager {
         }
         self.hash_blocks(prefix, s, upto);
         // Blocks that left the attention window before their KV was computed were released
-        // unregistered.
+        // unregistered; they may reach past `upto`, whose parent key is then not hashed yet.
         let (from, bs) = (s.registered.max(s.first), self.bs.get());
         let announced = self.announces();
         for i in from..upto {

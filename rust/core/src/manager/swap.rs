@@ -174,7 +174,9 @@ impl BlockManager {
         Ok(order)
     }
 
-    /// Blocks of the other pool a swap of `seqs` would take (an error if it cannot run).
+    /// Blocks of the other pool a swap of `seqs` would take (an error if it cannot run). A
+    /// swap-out auto-commits its sequences here, as `swap_out` does before it counts, so the
+    /// commits stand even if the pool then lacks blocks.
     pub(super) fn swap_needs(&self, seqs: &[SeqId], to_gpu: bool) -> Result<usize, Error> {
         let direction = if to_gpu {
             Direction::In
@@ -182,7 +184,13 @@ impl BlockManager {
             Direction::Out
         };
         let mut batch = self.seqs.lock(seqs);
-        Ok(self.swap_order(&mut batch, seqs, direction)?.len())
+        let needed = self.swap_order(&mut batch, seqs, direction)?.len();
+        if !to_gpu {
+            for &id in seqs {
+                self.count_computed(self.auto_commit(batch.get(id).expect("validated above")));
+            }
+        }
+        Ok(needed)
     }
 
     /// `confirm_swap_out` and `confirm_swap_in`.
