@@ -161,6 +161,22 @@ def random_batch(
     return Batch(cache, plan, q, dense_k, dense_v, q_lens)
 
 
+class PrefixKV:
+    """K/V of position p = a fixed random vector picked by a rolling hash of tokens[: p + 1]."""
+
+    def __init__(self, layers: int, hkv: int, dim: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(layers, 2, 4099, hkv, dim, generator=gen)
+
+    def dense(self, tokens: Sequence[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, h = [], 0
+        for t in tokens:
+            h = (h * 1_000_003 + t + 1) % 4099
+            keys.append(h)
+        idx = torch.tensor(keys)
+        return self.table[layer, 0, idx], self.table[layer, 1, idx]
+
+
 def expected_output(batch: Batch, scale: float, soft_cap: float | None = None) -> torch.Tensor:
     outs = []
     offset = 0
