@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from attention_cases import PrefixKV, assert_close, full_plan
+from attention_cases import PrefixKV, allowed_keys, assert_close, full_plan, masked_dense
 
 from pagedkv import Attention, Batch, BlockManager, HybridManager, Plan
 from pagedkv.attention import (
@@ -43,43 +43,6 @@ def attention_of(kind: str, bs: int) -> Attention:
     if kind == "chunk":
         return Attention.chunked_local(bs * max(1, 24 // bs))
     return Attention.full()
-
-
-def allowed_keys(attention: Attention, q_pos: torch.Tensor, length: int) -> torch.Tensor:
-    """`[q, length]`: which absolute key positions each query position reads."""
-    t = torch.arange(length)[None, :]
-    p = q_pos[:, None]
-    mask = t <= p
-    if attention.window is not None:
-        mask &= p - t < attention.window
-    if attention.chunk is not None:
-        mask &= t // attention.chunk == p // attention.chunk
-    return mask
-
-
-def masked_dense(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    cap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of `q` `[q, hq, d]` over `k`, `v` `[kv, hkv, d]` under `mask` `[q, kv]`, in
-    float64; `sinks` `[hq]` join each head's softmax as a logit without a value (gpt-oss)."""
-    group = q.shape[1] // k.shape[1]
-    kh = k.double().repeat_interleave(group, dim=1)
-    vh = v.double().repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q.double(), kh) * scale
-    if cap is not None:
-        logits = cap * torch.tanh(logits / cap)
-    logits = logits.masked_fill(~mask[None], float("-inf"))
-    if sinks is not None:
-        sink = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
-        logits = torch.cat([logits, sink], dim=-1)
-    probs = torch.softmax(logits, dim=-1)[..., : k.shape[0]]
-    return torch.einsum("hqk,khd->qhd", probs, vh)
 
 
 @dataclass
@@ -310,6 +273,8 @@ def test_bad_sinks_and_attention_name_the_argument() -> None:
             with_sinks.run(batch.q, batch.cache, 0, sinks=bad)
     with pytest.raises(ValueError, match="attention"):
         PagedAttention(4, 2, 8, 4, dtype=torch.float32, attention="full")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sinks must be True or False"):
+        PagedAttention(4, 2, 8, 4, dtype=torch.float32, sinks=torch.zeros(4))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------

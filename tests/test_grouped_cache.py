@@ -12,8 +12,7 @@ import doctest
 import numpy as np
 import pytest
 import torch
-from attention_cases import PrefixKV, assert_close
-from test_attention_windows import allowed_keys, masked_dense
+from attention_cases import PrefixKV, allowed_keys, assert_close, masked_dense
 
 import pagedkv.grouped_cache
 from pagedkv import Attention, HybridManager, Plan

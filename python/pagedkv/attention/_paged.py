@@ -131,6 +131,10 @@ class PagedAttention:
             math.isfinite(logits_soft_cap) and logits_soft_cap > 0
         ):
             raise ValueError(f"logits_soft_cap must be positive and finite, got {logits_soft_cap}")
+        if not isinstance(sinks, bool):
+            raise ValueError(
+                f"sinks must be True or False (run takes the logits), got {type(sinks).__name__}"
+            )
         if attention is not None and not isinstance(attention, Attention):
             raise ValueError(
                 f"attention must be a pagedkv.Attention or None, got {type(attention).__name__}"
@@ -153,7 +157,7 @@ class PagedAttention:
             kv_dtype=kv_dtype,
             layout=kv_layout,
             attention=attention,
-            sinks=bool(sinks),
+            sinks=sinks,
         )
         self._graph_sizes = sizes
         self._graph_max_pages = cuda_graph_max_pages
