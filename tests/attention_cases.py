@@ -1,6 +1,7 @@
 """Shared attention test data: random paged batches and dense attention to check them against.
 
-Used by `test_attention.py` (the torch reference, FlashInfer) and `test_triton_attention.py`.
+Used by `test_attention.py` (the torch reference, FlashInfer), `test_triton_attention.py`,
+`test_attention_windows.py` and `test_grouped_cache.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedkv import Attention
 from pagedkv.attention import TablePlan, plan_from_tables
 from pagedkv.kv_cache import FP8_DTYPES, KVCache
 from pagedkv.kv_layout import Layout
@@ -52,6 +54,43 @@ def dense_attention(
         logits = soft_cap * torch.tanh(qh @ kh.transpose(1, 2) * scale / soft_cap)
         out = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ vh
     return out.transpose(0, 1)
+
+
+def allowed_keys(attention: Attention, q_pos: torch.Tensor, length: int) -> torch.Tensor:
+    """`[q, length]`: which absolute key positions each query position reads."""
+    t = torch.arange(length)[None, :]
+    p = q_pos[:, None]
+    mask = t <= p
+    if attention.window is not None:
+        mask &= p - t < attention.window
+    if attention.chunk is not None:
+        mask &= t // attention.chunk == p // attention.chunk
+    return mask
+
+
+def masked_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `q` `[q, hq, d]` over `k`, `v` `[kv, hkv, d]` under `mask` `[q, kv]`, in
+    float64; `sinks` `[hq]` join each head's softmax as a logit without a value (gpt-oss)."""
+    group = q.shape[1] // k.shape[1]
+    kh = k.double().repeat_interleave(group, dim=1)
+    vh = v.double().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.double(), kh) * scale
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    logits = logits.masked_fill(~mask[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
+        logits = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., : k.shape[0]]
+    return torch.einsum("hqk,khd->qhd", probs, vh)
 
 
 @dataclass
@@ -159,6 +198,22 @@ def random_batch(
     plan = plan_from_tables(tables, kv_lens, q_lens, bs)
     q = torch.randn(sum(q_lens), hq, dim + rope_dim, generator=gen).to(dtype)
     return Batch(cache, plan, q, dense_k, dense_v, q_lens)
+
+
+class PrefixKV:
+    """K/V of position p = a fixed random vector picked by a rolling hash of tokens[: p + 1]."""
+
+    def __init__(self, layers: int, hkv: int, dim: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(layers, 2, 4099, hkv, dim, generator=gen)
+
+    def dense(self, tokens: Sequence[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, h = [], 0
+        for t in tokens:
+            h = (h * 1_000_003 + t + 1) % 4099
+            keys.append(h)
+        idx = torch.tensor(keys)
+        return self.table[layer, 0, idx], self.table[layer, 1, idx]
 
 
 def expected_output(batch: Batch, scale: float, soft_cap: float | None = None) -> torch.Tensor:

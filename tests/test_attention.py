@@ -10,13 +10,13 @@ FlashInfer.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 from attention_cases import (
     MIXES,
+    PrefixKV,
     assert_close,
     dense_attention,
     expected_output,
@@ -185,22 +185,6 @@ class TestValidation:
 # ---------------------------------------------------------------------------------------------
 # The real BlockManager: a random engine whose KV for a token is a function of its prefix, as a
 # model's is, so prefix-cache hits, copy-on-write and swaps must all preserve it exactly.
-
-
-class PrefixKV:
-    """K/V of position p = a fixed random vector picked by a rolling hash of tokens[: p + 1]."""
-
-    def __init__(self, layers: int, hkv: int, dim: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(layers, 2, 4099, hkv, dim, generator=gen)
-
-    def dense(self, tokens: Sequence[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, h = [], 0
-        for t in tokens:
-            h = (h * 1_000_003 + t + 1) % 4099
-            keys.append(h)
-        idx = torch.tensor(keys)
-        return self.table[layer, 0, idx], self.table[layer, 1, idx]
 
 
 def test_block_manager_engine_with_prefix_hits_forks_and_swaps() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import pagedkv.attention._paged as paged
 import pagedkv.attention._select as select
+from pagedkv import Attention
 from pagedkv.attention import PagedAttention
 from pagedkv.attention._spec import AttentionSpec
 from pagedkv.kv_layout import KVLayout
@@ -49,6 +51,26 @@ def test_unfit_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert select.unfit_reason("flashinfer", spec(head_dim=128)) is None
     monkeypatch.setattr(select, "nvcc_available", lambda: True)
     assert select.unfit_reason("flashinfer", spec(head_dim=96)) is None
+
+
+def test_flashinfer_is_unfit_for_chunks_and_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    real_find = importlib.util.find_spec
+
+    def find(name: str, *args: Any) -> Any:
+        return object() if name == "flashinfer" else real_find(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find)
+    window = replace(spec(), attention=Attention.sliding_window(4096))
+    assert select.unfit_reason("flashinfer", window) is None
+    chunk = replace(spec(), attention=Attention.chunked_local(8192))
+    assert "chunked-local" in str(select.unfit_reason("flashinfer", chunk))
+    sinks = replace(window, sinks=True)
+    assert "sinks" in str(select.unfit_reason("flashinfer", sinks))
+    mla = replace(window, layout=KVLayout("MLA", 1, 512, 64), num_kv_heads=1, head_dim=512)
+    assert "sliding window" in str(select.unfit_reason("flashinfer", mla))
+    for s in (chunk, sinks, mla):
+        assert select.unfit_reason("triton", s) is None
 
 
 def test_auto_falls_back_when_a_backend_fails_to_build(monkeypatch: pytest.MonkeyPatch) -> None:

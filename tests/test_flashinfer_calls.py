@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import pagedkv.attention._flashinfer as fi_backend
-from pagedkv import Batch, BlockManager
+from pagedkv import Attention, Batch, BlockManager
 from pagedkv.attention import DeviceBlockTable, PagedAttention, plan_from_tables
 from pagedkv.kv_cache import KVCache
 
@@ -98,6 +98,20 @@ def step(attn: PagedAttention, q_lens: list[int], cache: KVCache | None = None) 
 
 def calls_named(calls: list[Any], cls: str, method: str) -> list[Any]:
     return [c for c in calls if c[0] == cls and c[1] == method]
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 2]])
+def test_a_sliding_window_is_window_left(recorded: list[Any], q_lens: list[int]) -> None:
+    attn = attention()
+    tables = [[3, 1, 4], [0, 5], [2]]
+    for window, window_left in ((None, -1), (6, 5)):
+        what = Attention.full() if window is None else Attention.sliding_window(window)
+        attn.plan(plan_from_tables(tables, [9, 6, 2], q_lens, 4, what))
+        *_, kwargs = [c for c in recorded if c[1] == "plan"][-1]
+        assert kwargs["window_left"] == window_left
+    chunked = plan_from_tables(tables, [9, 6, 2], q_lens, 4, Attention.chunked_local(8))
+    with pytest.raises(ValueError, match=r"plan\.attention.*chunked-local"):
+        attn.plan(chunked)
 
 
 def test_one_workspace_of_the_configured_size(recorded: list[Any]) -> None:

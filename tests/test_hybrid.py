@@ -128,19 +128,25 @@ def test_bad_input_names_the_argument_and_changes_nothing() -> None:
     mgr.check()
 
 
-def test_paged_attention_refuses_a_windowed_plan() -> None:
-    """PagedAttention computes full causal attention: a windowed group's plan or batch would
-    read the wrong keys, so it is refused by name."""
+def test_paged_attention_refuses_another_groups_plan() -> None:
+    """A PagedAttention built for one group's attention refuses a plan or batch of another
+    group by name; one built without `attention` takes each plan's window."""
     torch = pytest.importorskip("torch")
     from pagedkv.attention import PagedAttention
 
-    attn = PagedAttention(2, 1, 8, 4, device="cpu", dtype=torch.float32)
+    attn = PagedAttention(2, 1, 8, 4, device="cpu", dtype=torch.float32, attention=Attention.full())
+    windowed = PagedAttention(
+        2, 1, 8, 4, device="cpu", dtype=torch.float32, attention=Attention.sliding_window(8)
+    )
     mgr = hybrid()
     mgr.allocate(1, list(range(10)))
     full, window = mgr.plan([1], [10])
     attn.plan(full)
+    windowed.plan(window)
     with pytest.raises(ValueError, match=r"plan\.attention"):
         attn.plan(window)
+    with pytest.raises(ValueError, match=r"plan\.attention"):
+        windowed.plan(full)
     batches = [Batch(), Batch()]
     for b in batches:
         b.add(1)
@@ -149,3 +155,6 @@ def test_paged_attention_refuses_a_windowed_plan() -> None:
     attn.plan(batches[0])
     with pytest.raises(ValueError, match=r"plan\.attention"):
         attn.plan(batches[1])
+    any_attention = PagedAttention(2, 1, 8, 4, device="cpu", dtype=torch.float32)
+    any_attention.plan(batches[1])
+    any_attention.plan(batches[0])

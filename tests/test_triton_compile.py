@@ -33,12 +33,13 @@ elems = {
     "float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
     "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
 }
-for dtype, kv_dtype, head_dim, rope_dim, mode, group, cap, arch in json.loads(sys.argv[1]):
+for case in json.loads(sys.argv[1]):
+    dtype, kv_dtype, head_dim, rope_dim, mode, group, cap, arch, mask, sinks = case
     torch_dtype = getattr(torch, dtype)
     block_d, block_n, block_m_prefill = tile_sizes(head_dim, torch_dtype)
     sig = {}
     for n in names:
-        if n in ("q_ptr", "out_ptr"):
+        if n in ("q_ptr", "out_ptr", "sinks_ptr"):
             sig[n] = "*" + elems[dtype]
         elif n == "kv_ptr":
             sig[n] = "*" + elems[kv_dtype]
@@ -46,7 +47,7 @@ for dtype, kv_dtype, head_dim, rope_dim, mode, group, cap, arch in json.loads(sy
             sig[n] = "*i32"
         elif n in ("k_scale", "pe_scale", "v_scale", "soft_cap"):
             sig[n] = "fp32"
-        elif n.startswith("stride"):
+        elif n.startswith("stride") or n in ("window", "chunk"):
             sig[n] = "i32"
         else:
             sig[n] = "constexpr"
@@ -55,7 +56,9 @@ for dtype, kv_dtype, head_dim, rope_dim, mode, group, cap, arch in json.loads(sy
         "ROPE_DIM": rope_dim, "BLOCK_R": max(16, 1 << (rope_dim - 1).bit_length()),
         "MLA": rope_dim > 0,
         "BLOCK_M": BLOCK_M_DECODE if mode == "decode" else block_m_prefill, "BLOCK_N": block_n,
-        "HAS_CAP": cap, "PRECISION": "ieee" if dtype == "float32" else "tf32", "DOT_FP32": False,
+        "HAS_CAP": cap, "HAS_WINDOW": mask == "window", "HAS_CHUNK": mask == "chunk",
+        "HAS_SINKS": sinks, "PRECISION": "ieee" if dtype == "float32" else "tf32",
+        "DOT_FP32": False,
     }
     src = ASTSource(
         fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}
@@ -65,20 +68,26 @@ for dtype, kv_dtype, head_dim, rope_dim, mode, group, cap, arch in json.loads(sy
 print(json.dumps(results))
 """
 
-# (query dtype, KV dtype, head_dim or MLA latent, MLA rope part, mode, group, cap, sm).
+# (query dtype, KV dtype, head_dim or MLA latent, MLA rope part, mode, group, cap, sm,
+# window or chunk mask, sinks).
 CASES = [
-    ("bfloat16", "bfloat16", 128, 0, "decode", 4, False, 90),
-    ("bfloat16", "bfloat16", 128, 0, "prefill", 8, True, 90),
-    ("float16", "float16", 64, 0, "prefill", 1, False, 80),
-    ("bfloat16", "bfloat16", 256, 0, "prefill", 4, False, 86),
-    ("float32", "float32", 128, 0, "prefill", 4, True, 86),
-    ("float32", "float32", 256, 0, "prefill", 4, False, 86),
+    ("bfloat16", "bfloat16", 128, 0, "decode", 4, False, 90, None, False),
+    ("bfloat16", "bfloat16", 128, 0, "prefill", 8, True, 90, None, False),
+    ("float16", "float16", 64, 0, "prefill", 1, False, 80, None, False),
+    ("bfloat16", "bfloat16", 256, 0, "prefill", 4, False, 86, None, False),
+    ("float32", "float32", 128, 0, "prefill", 4, True, 86, None, False),
+    ("float32", "float32", 256, 0, "prefill", 4, False, 86, None, False),
     # float8 KV (compute capability 8.9+) and MLA's 512 + 64 latent rows.
-    ("bfloat16", "float8_e4m3fn", 128, 0, "decode", 4, False, 90),
-    ("float16", "float8_e5m2", 128, 0, "prefill", 4, False, 89),
-    ("bfloat16", "bfloat16", 512, 64, "decode", 16, False, 86),
-    ("bfloat16", "bfloat16", 512, 64, "prefill", 16, False, 86),
-    ("bfloat16", "float8_e4m3fn", 512, 64, "decode", 128, False, 90),
+    ("bfloat16", "float8_e4m3fn", 128, 0, "decode", 4, False, 90, None, False),
+    ("float16", "float8_e5m2", 128, 0, "prefill", 4, False, 89, None, False),
+    ("bfloat16", "bfloat16", 512, 64, "decode", 16, False, 86, None, False),
+    ("bfloat16", "bfloat16", 512, 64, "prefill", 16, False, 86, None, False),
+    ("bfloat16", "float8_e4m3fn", 512, 64, "decode", 128, False, 90, None, False),
+    # Sliding windows and chunks (the key loop starts past 0), with and without sinks.
+    ("bfloat16", "bfloat16", 128, 0, "decode", 8, False, 90, "window", True),
+    ("bfloat16", "bfloat16", 64, 0, "prefill", 8, True, 86, "window", True),
+    ("float16", "float16", 128, 0, "prefill", 4, False, 80, "chunk", False),
+    ("bfloat16", "bfloat16", 128, 0, "decode", 4, False, 90, None, True),
 ]
 
 

@@ -10,7 +10,9 @@ passes `non_blocking=True`, so planning never waits for the device.
 The cache's layout is FlashInfer's `kv_layout` (NHD or HND); an MLA cache is planned into
 `BatchMLAPagedAttentionWrapper` (packed query and latent rows, CSR metadata) for decode and
 prefill alike. Float8 caches pass their layer's scales to `run` (`k_scale` / `v_scale`, or the
-MLA wrapper's `ckv_scale` / `kpe_scale`).
+MLA wrapper's `ckv_scale` / `kpe_scale`). A sliding window is the wrappers' `window_left`
+(`window - 1`, keys relative to the plan's first page like the other backends' masks); these
+wrappers have no chunked-local attention and no attention sinks, and the MLA wrapper no window.
 
 All wrappers run FlashInfer's FA2 kernels (`backend="fa2"`): the tensor-core decode and the
 prefill then share one compiled module per dtype, head_dim and soft-cap setting, so a machine
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedkv._core import Attention
 from pagedkv._device import compute_capability
 from pagedkv.attention._plan import StepPlan
 from pagedkv.attention._spec import AttentionSpec
@@ -57,8 +60,24 @@ def import_flashinfer() -> ModuleType:
         ) from exc
 
 
+def unsupported_attention(attention: Attention, mla: bool) -> str | None:
+    """Why these wrappers cannot run `attention` (None when they can)."""
+    if attention.kind == "chunked_local":
+        return "FlashInfer's paged wrappers have no chunked-local attention"
+    if attention.kind == "sliding_window" and mla:
+        return "FlashInfer's MLA has no sliding window"
+    return None
+
+
 def unsupported(spec: AttentionSpec) -> str | None:
-    """Why FlashInfer has no kernel for `spec`'s layout and dtypes (None when it has one)."""
+    """Why FlashInfer has no kernel for `spec`'s layout, dtypes, attention and sinks (None when
+    it has one)."""
+    if spec.sinks:
+        return "FlashInfer's paged wrappers take no attention sinks"
+    if spec.attention is not None:
+        why = unsupported_attention(spec.attention, spec.layout.is_mla)
+        if why is not None:
+            return why
     if spec.dtype not in FLASHINFER_DTYPES:
         return "FlashInfer takes float16 and bfloat16 queries"
     if spec.kv_dtype != spec.dtype and not spec.kv_fp8:
@@ -158,6 +177,11 @@ class FlashInferBackend:
         With `graph`, `step` is a decode step already padded to a bucket size.
         """
         spec = self._spec
+        why = unsupported_attention(step.attention, self._mla)
+        if why is not None:
+            raise ValueError(
+                f"plan.attention is {step.attention!r}: backend='flashinfer' cannot run it: {why}"
+            )
         pages = step.device_kv_indices
         host_pages = (step.kv_indices,) if pages is None else ()
         if self._mla:
@@ -196,7 +220,7 @@ class FlashInferBackend:
                 spec.num_kv_heads,
                 spec.head_dim,
                 spec.block_size,
-                **self._common_kwargs(),
+                **self._common_kwargs(step),
             )
         else:
             qo, indptr, last, *indices_host = self._staging.stage(
@@ -215,16 +239,17 @@ class FlashInferBackend:
                 spec.head_dim,
                 spec.block_size,
                 causal=True,
-                **self._common_kwargs(),
+                **self._common_kwargs(step),
             )
         self._staging.finish()
         self._active = wrapper
 
-    def _common_kwargs(self) -> dict[str, Any]:
+    def _common_kwargs(self, step: StepPlan) -> dict[str, Any]:
         """Keyword arguments both wrappers' `plan` take (names checked against FlashInfer)."""
         spec = self._spec
         return {
             "pos_encoding_mode": "NONE",
+            "window_left": step.attention.window_left,
             "logits_soft_cap": spec.logits_soft_cap,
             "sm_scale": spec.sm_scale,
             "q_data_type": spec.dtype,
@@ -233,11 +258,17 @@ class FlashInferBackend:
         }
 
     def run(
-        self, q: torch.Tensor, kv: torch.Tensor, scales: tuple[float, float] | None
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        scales: tuple[float, float] | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the planned wrapper on one layer's cache tensor, with its float8 scales."""
         if self._active is None:
             raise RuntimeError("plan() must be called before run()")
+        if sinks is not None:  # PagedAttention never builds this backend with sinks
+            raise ValueError("backend='flashinfer' takes no sinks")
         out: torch.Tensor
         if self._mla:
             fp8 = {} if scales is None else {"ckv_scale": scales[0], "kpe_scale": scales[1]}

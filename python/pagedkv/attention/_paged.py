@@ -8,7 +8,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from pagedkv._core import Batch
+from pagedkv._core import Attention, Batch
 from pagedkv._device import resolve_device, upload_ints
 from pagedkv.attention._device_table import DeviceBlockTable
 from pagedkv.attention._flashinfer import DEFAULT_WORKSPACE_BYTES, FlashInferBackend
@@ -29,7 +29,11 @@ class _Backend(Protocol):
     def plan(self, step: StepPlan, graph: bool) -> None: ...
 
     def run(
-        self, q: torch.Tensor, kv: torch.Tensor, scales: tuple[float, float] | None
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        scales: tuple[float, float] | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -39,6 +43,20 @@ class PagedAttention:
     Handles decode, prefill, chunked prefill (the query is the tail of a longer KV) and mixed
     batches, with GQA. Query token `i` of a sequence with `q_len` queries and `kv_len` KV tokens
     sees KV positions `0 ..= kv_len - q_len + i` (causal mask aligned bottom-right).
+
+    Windows come from the plan: a plan whose `attention` (`pagedkv.Attention`, from a windowed
+    `BlockManager` or a `HybridManager` group) is a sliding window of `w` lets each query read
+    only its last `w` positions, itself included; a chunked-local one only the positions of its
+    own chunk. Build one `PagedAttention` per KV-cache group; `attention`, when given, declares
+    the attention its plans carry: `auto` then picks a backend that runs it and `plan` refuses
+    a plan of another attention (with None every plan's attention is taken as it comes, and a
+    backend without it raises `ValueError`). FlashInfer runs sliding windows (`window_left`)
+    but no chunked-local attention.
+
+    Attention sinks (gpt-oss): with `sinks=True`, `run` takes `sinks`, a `[num_qo_heads]` float
+    tensor of the layer's learned logits; each query head's softmax gets its sink as one more
+    logit, in its denominator only (it is not scaled or capped and has no value), so the
+    weights on the keys sum to less than one. FlashInfer is skipped (`auto`) or refused.
 
     `backend="flashinfer"` runs FlashInfer (CUDA, float16/bfloat16), `"triton"` this package's
     Triton kernel (CUDA, float16/bfloat16/float32), `"torch"` the vectorised reference (any
@@ -58,7 +76,10 @@ class PagedAttention:
     CUDA graphs: with `cuda_graph_batch_sizes`, a decode step of at most the largest size and
     at most `cuda_graph_max_pages` pages is padded to the smallest size that holds it and
     planned into fixed buffers, so `run` may be captured once per size and replayed after each
-    later `plan`; `graph_batch_size` then gives the padded size, the rows `q` must have.
+    later `plan`; `graph_batch_size` then gives the padded size, the rows `q` must have. A
+    captured launch keeps the window and the `sinks` tensor it was captured with: the buffers
+    serve the attention of the first step planned into them (a decode step of another one runs
+    eagerly), and replays must read the same `sinks` tensor (a model's parameter).
 
     >>> attn = PagedAttention(8, 2, 64, 16, device="cpu", dtype=torch.float32)
     >>> attn.backend
@@ -83,6 +104,8 @@ class PagedAttention:
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         cuda_graph_batch_sizes: Sequence[int] = (),
         cuda_graph_max_pages: int = 0,
+        attention: Attention | None = None,
+        sinks: bool = False,
     ) -> None:
         for name, value in (
             ("num_qo_heads", num_qo_heads),
@@ -108,6 +131,14 @@ class PagedAttention:
             math.isfinite(logits_soft_cap) and logits_soft_cap > 0
         ):
             raise ValueError(f"logits_soft_cap must be positive and finite, got {logits_soft_cap}")
+        if not isinstance(sinks, bool):
+            raise ValueError(
+                f"sinks must be True or False (run takes the logits), got {type(sinks).__name__}"
+            )
+        if attention is not None and not isinstance(attention, Attention):
+            raise ValueError(
+                f"attention must be a pagedkv.Attention or None, got {type(attention).__name__}"
+            )
         sizes = sorted(set(cuda_graph_batch_sizes))
         if sizes and (sizes[0] < 1 or cuda_graph_max_pages < 1):
             raise ValueError(
@@ -125,6 +156,8 @@ class PagedAttention:
             device=resolve_device(device),
             kv_dtype=kv_dtype,
             layout=kv_layout,
+            attention=attention,
+            sinks=sinks,
         )
         self._graph_sizes = sizes
         self._graph_max_pages = cuda_graph_max_pages
@@ -144,6 +177,7 @@ class PagedAttention:
                 f"this PagedAttention runs torch ({self.backend_reason})"
             )
         self._step: StepPlan | None = None
+        self._graph_attention: Attention | None = None
         self._graph_batch: int | None = None
         self._checked_cache: KVCache | None = None
 
@@ -192,19 +226,21 @@ class PagedAttention:
         the row arrays (no `kv_indices`). The table must live on this attention's device and
         follow this batch alone.
         """
-        attention = getattr(plan, "attention", None)
-        if attention is not None and attention.kind != "full":
-            raise ValueError(
-                f"plan.attention is {attention!r}: PagedAttention runs full causal attention, "
-                "so a windowed group's plan would read the wrong keys"
-            )
         if table is None:
             step = StepPlan.from_plan(plan, self.spec.block_size)
         else:
             step = self._step_from_table(plan, table)
+        declared = self.spec.attention
+        if declared is not None and step.attention != declared:
+            raise ValueError(
+                f"plan.attention is {step.attention!r} but this PagedAttention was built with "
+                f"attention={declared!r}: plan each KV-cache group with its own PagedAttention"
+            )
         bucket = self._bucket(step)
         if bucket is not None:
             step = step.padded_to(bucket)
+            if self._graph_attention is None:
+                self._graph_attention = step.attention
         self._impl.plan(step, graph=bucket is not None)
         self._step = step
         self._graph_batch = bucket
@@ -232,14 +268,26 @@ class PagedAttention:
         # Each padding sequence takes one page.
         if bucket is None or step.nnz + bucket - step.batch_size > (self._graph_max_pages):
             return None
+        # A captured launch keeps its window: the buffers serve one attention.
+        if self._graph_attention not in (None, step.attention):
+            return None
         return bucket
 
-    def run(self, q: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        *,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention output `[tokens, num_qo_heads, head_dim]` for `q`
         `[tokens, num_qo_heads, head_dim + rope_dim]` (`rope_dim` is 0 but for MLA).
 
         `q` holds the step's query tokens in plan order; `cache` must already hold their K/V
         (see `KVCache.write`). The cache is checked against the plan at its first `run`.
+        `sinks` (required with `sinks=True`, refused without) are the layer's `[num_qo_heads]`
+        sink logits, a float tensor on this attention's device.
         """
         step = self._step
         if step is None:
@@ -258,7 +306,24 @@ class PagedAttention:
         if cache is not self._checked_cache:
             self._check_cache(cache, step)
             self._checked_cache = cache
-        return self._impl.run(q, cache.layer(layer), cache.scales(layer))
+        if sinks is not None:
+            sinks = self._checked_sinks(sinks)
+        elif spec.sinks:
+            raise ValueError("sinks: this PagedAttention was built with sinks=True; pass sinks=")
+        return self._impl.run(q, cache.layer(layer), cache.scales(layer), sinks)
+
+    def _checked_sinks(self, sinks: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        if not spec.sinks:
+            raise ValueError("sinks given, but this PagedAttention was built with sinks=False")
+        if tuple(sinks.shape) != (spec.num_qo_heads,) or not sinks.dtype.is_floating_point:
+            raise ValueError(
+                f"sinks must be a float tensor of shape ({spec.num_qo_heads},), got "
+                f"{sinks.dtype} of shape {tuple(sinks.shape)}"
+            )
+        if sinks.device != spec.device:
+            raise ValueError(f"sinks are on {sinks.device}, this PagedAttention on {spec.device}")
+        return sinks.contiguous()
 
     def _check_cache(self, cache: KVCache, step: StepPlan) -> None:
         spec = self.spec

@@ -18,9 +18,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from pagedkv._core import Attention
 from pagedkv.kv_cache import check_block_size
 
 IntArray = npt.NDArray[np.int32]
+FULL_ATTENTION = Attention.full()
 
 
 class PlanLike(Protocol):
@@ -69,8 +71,14 @@ class StepPlan:
     """A validated plan: the CSR arrays plus derived per-sequence lengths.
 
     Sequence `b` has `q_lens[b]` query tokens that are its last `q_lens[b]` KV positions, so query
-    token `i` of `b` sits at position `kv_lens[b] - q_lens[b] + i` and (causally) sees KV
-    positions `0 ..= kv_lens[b] - q_lens[b] + i`.
+    token `i` of `b` sits at position `p = kv_lens[b] - q_lens[b] + i` and (causally) sees KV
+    positions `0 ..= p`; with a `window`, only `p - window + 1 ..= p`; with a `chunk`, only
+    `p // chunk * chunk ..= p`.
+
+    Positions are relative to the plan's first page. A windowed manager's plan lists pages from
+    the sequence's first live block, which is a block boundary and, for chunked attention, a
+    chunk boundary (the chunk is a multiple of the block size), so these masks on relative
+    positions are the masks on absolute ones.
     """
 
     kv_indptr: IntArray
@@ -86,6 +94,18 @@ class StepPlan:
     device_kv_indices: torch.Tensor | None = None
     """The `[nnz]` pages already on the attention device (a persistent batch's CSR built by
     `DeviceBlockTable`); `kv_indices` is then empty and unused."""
+    attention: Attention = FULL_ATTENTION
+    """The plan's `attention` (full for a plan without one, such as a `TablePlan`)."""
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window in tokens, or None."""
+        return self.attention.window
+
+    @property
+    def chunk(self) -> int | None:
+        """The chunk of chunked-local attention in tokens, or None."""
+        return self.attention.chunk
 
     @property
     def nnz(self) -> int:
@@ -202,6 +222,13 @@ class StepPlan:
             )
         if ((last < 1) | (last > block_size)).any():
             raise ValueError(f"plan.kv_last_page_len must lie in [1, block_size={block_size}]")
+        attention = getattr(plan, "attention", None)
+        if attention is None:
+            attention = FULL_ATTENTION
+        elif not isinstance(attention, Attention):
+            raise ValueError(
+                f"plan.attention must be a pagedkv.Attention, got {type(attention).__name__}"
+            )
         kv_lens = (num_pages - 1) * block_size + last.astype(np.int64)
         if (kv_lens < q_lens).any():
             b = int(np.argmax(kv_lens < q_lens))
@@ -221,4 +248,5 @@ class StepPlan:
             max_kv_len=int(kv_lens.max()),
             max_block_id=max_block_id(),
             device_kv_indices=device_kv_indices,
+            attention=attention,
         )

@@ -4,10 +4,12 @@ It consumes exactly the CSR plan FlashInfer gets, for every layout: NHD and HND 
 per head; MLA gathers each token's latent row, uses all of it (latent and rope part) as the one
 K head and its latent part as V, which is attention in MLA's absorbed form (the caller folds
 the K up-projection into `q` and applies the V up-projection to the output). A float8 cache
-is dequantized (`stored * scale`) as it is gathered. `plan` turns the page table into gather indices
-and a causal mask once per step; `run` gathers each sequence's K/V into a padded
-`[batch, max_kv_len]` block, attends with all sequences at once (no Python loop per token or per
-sequence) in float32 (float64 for float64 inputs), and scatters the rows back to plan order.
+is dequantized (`stored * scale`) as it is gathered. `plan` turns the page table into gather
+indices and a mask once per step (causal, narrowed by the plan's sliding window or chunk, see
+`StepPlan`); `run` gathers each sequence's K/V into a padded `[batch, max_kv_len]` block, attends
+with all sequences at once (no Python loop per token or per sequence) in float32 (float64 for
+float64 inputs), and scatters the rows back to plan order. Sinks join each row's softmax as one
+more logit with no value, as gpt-oss's attention does.
 Memory is `O(batch * max_q_len * max_kv_len * heads)`, which suits tests and checks, not serving.
 """
 
@@ -49,7 +51,12 @@ class _Gather:
         q_valid = i[None, :] < q_lens[:, None]
         q_rows = torch.where(q_valid, qo_indptr[:-1, None] + i[None, :], 0)
         q_pos = (kv_lens - q_lens)[:, None] + i[None, :]
-        allowed = (j[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+        key = j[None, None, :]
+        allowed = (key <= q_pos[:, :, None]) & kv_valid[:, None, :]
+        if step.window is not None:
+            allowed &= key > (q_pos - step.window)[:, :, None]
+        if step.chunk is not None:
+            allowed &= key >= (q_pos // step.chunk * step.chunk)[:, :, None]
         # Padded query rows see every valid key so their softmax stays finite; they are dropped.
         allowed |= ~q_valid[:, :, None] & kv_valid[:, None, :]
         # Row b * max_q + i of the padded output is plan token qo_indptr[b] + i.
@@ -83,10 +90,14 @@ class TorchReference:
         self._gather = _Gather(step, self._spec.device)
 
     def run(
-        self, q: torch.Tensor, kv: torch.Tensor, scales: tuple[float, float] | None
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        scales: tuple[float, float] | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend `q` `[tokens, qo_heads, qk_dim]` over the paged layer `kv`; `scales` are the
-        layer's float8 scales (None for other dtypes)."""
+        layer's float8 scales (None for other dtypes), `sinks` the `[qo_heads]` sink logits."""
         g = self._gather
         if g is None:
             raise RuntimeError("plan() must be called before run()")
@@ -101,7 +112,11 @@ class TorchReference:
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         logits = logits.masked_fill(~g.allowed[:, None, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        if sinks is not None:
+            sink = sinks.to(compute).view(1, hkv, group, 1, 1).expand(*logits.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1)
         out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
         out = out.reshape(g.batch * g.max_q, spec.num_qo_heads, spec.head_dim)[g.out_rows]
         return out.to(q.dtype)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv._core import Attention
 from pagedkv.kv_cache import FP8_DTYPES
 from pagedkv.kv_layout import KVLayout
 
@@ -18,6 +19,9 @@ class AttentionSpec:
     With the MLA layout, `num_kv_heads` is 1 and `head_dim` is the latent width: `q` is
     `[tokens, num_qo_heads, head_dim + rope_dim]` and the output `[tokens, num_qo_heads,
     head_dim]`.
+
+    `attention` is the attention every plan will carry (None: whatever each plan carries) and
+    `sinks` whether `run` takes a learned sink logit per query head.
     """
 
     num_qo_heads: int
@@ -30,6 +34,8 @@ class AttentionSpec:
     device: torch.device
     kv_dtype: torch.dtype
     layout: KVLayout
+    attention: Attention | None = None
+    sinks: bool = False
 
     @property
     def group_size(self) -> int:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.attention._plan import IntArray
+from pagedkv._core import Attention
+from pagedkv.attention._plan import FULL_ATTENTION, IntArray
 
 
 @dataclass
@@ -32,6 +33,7 @@ class TablePlan:
     block_size: int
     block_tables: IntArray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
     copies: IntArray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
+    attention: Attention = FULL_ATTENTION
 
 
 def plan_from_tables(
@@ -39,11 +41,14 @@ def plan_from_tables(
     kv_lens: Sequence[int],
     q_lens: Sequence[int],
     block_size: int,
+    attention: Attention = FULL_ATTENTION,
 ) -> TablePlan:
     """The plan `BlockManager.plan` would return for these block tables (see SEMANTICS.md).
 
     Sequence `b` holds `kv_lens[b]` tokens in `tables[b]` (which may be longer than needed);
-    its query is its last `q_lens[b]` tokens.
+    its query is its last `q_lens[b]` tokens. With a windowed `attention`, a table starts at
+    the sequence's first live block (for chunked attention, a chunk boundary) and `kv_lens`
+    and `positions` count from there.
     """
     kv = np.asarray(kv_lens, dtype=np.int64)
     q = np.asarray(q_lens, dtype=np.int64)
@@ -78,6 +83,7 @@ def plan_from_tables(
         positions=i32(positions),
         block_size=block_size,
         block_tables=i32(padded),
+        attention=attention,
     )
 
 

@@ -92,6 +92,8 @@ class _DeviceStep:
     tile_seq: torch.Tensor
     tile_row: torch.Tensor
     block_m: int
+    window: int | None = None
+    chunk: int | None = None
 
     @property
     def num_tiles(self) -> int:
@@ -158,6 +160,7 @@ class TritonBackend:
             host = self._staging.stage([array for array, _ in pairs])
             for h, (_, d) in zip(host, pairs, strict=True):
                 d[: h.shape[0]].copy_(h, non_blocking=True)
+            dst.window, dst.chunk = step.window, step.chunk
             self._step = dst
         else:
             block_m = BLOCK_M_DECODE if step.is_decode else self._block_m_prefill
@@ -169,14 +172,20 @@ class TritonBackend:
                 self._staging.stage(arrays)
             )
             indices = uploaded[0] if pages is None else pages
-            self._step = _DeviceStep(qo, indptr, indices, lens, tseq, trow, block_m)
+            self._step = _DeviceStep(
+                qo, indptr, indices, lens, tseq, trow, block_m, step.window, step.chunk
+            )
         self._staging.finish()
 
     def run(
-        self, q: torch.Tensor, kv: torch.Tensor, scales: tuple[float, float] | None
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        scales: tuple[float, float] | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One kernel launch over the paged layer `kv` for the planned step; `scales` are the
-        layer's float8 scales (None for other dtypes)."""
+        layer's float8 scales (None for other dtypes), `sinks` the `[qo_heads]` sink logits."""
         st = self._step
         if st is None:
             raise RuntimeError("plan() must be called before run()")
@@ -204,6 +213,9 @@ class TritonBackend:
             st.kv_lens,
             st.tile_seq,
             st.tile_row,
+            q if sinks is None else sinks,  # never read without sinks
+            st.window or 0,
+            st.chunk or 0,
             spec.sm_scale * first,
             spec.sm_scale * pe_scale,
             v_scale,
@@ -223,6 +235,9 @@ class TritonBackend:
             BLOCK_M=st.block_m,
             BLOCK_N=self._block_n,
             HAS_CAP=cap is not None,
+            HAS_WINDOW=st.window is not None,
+            HAS_CHUNK=st.chunk is not None,
+            HAS_SINKS=sinks is not None,
             PRECISION=self._precision,
             DOT_FP32=self._dot_fp32,
             num_warps=4,

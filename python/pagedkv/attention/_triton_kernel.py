@@ -6,8 +6,13 @@ decode step of a GQA model fills a tile with the query heads that share a KV hea
 byte is read once per tile. The program streams the sequence's keys in chunks of `BLOCK_N`
 positions, gathering each position from its page (`kv_indices[kv_indptr[b] + j // PAGE]`, slot
 `j % PAGE`, so any page size works), and keeps an online softmax in float32. Query token `i`
-sees positions `0 ..= kv_len - q_len + i` (bottom-right causal). Every length is read from
-device memory, so a launch captured in a CUDA graph stays right when a later plan changes them.
+at position `p = kv_len - q_len + i` sees positions `0 ..= p` (bottom-right causal), narrowed
+to `p - WINDOW + 1 ..= p` with `HAS_WINDOW` and to `p // CHUNK * CHUNK ..= p` with `HAS_CHUNK`
+(positions relative to the plan's first page, see `StepPlan`); the loop starts at the first key
+the tile's first row reads. Every length is read from device memory, so a launch captured in a
+CUDA graph stays right when a later plan changes them. With `HAS_SINKS`, each row's softmax
+starts from its head's sink logit (running max = the sink, sum = 1) and the sink has no value:
+the sink joins the denominator only.
 
 Layouts are strides: a page's K/V index, token slot and head strides (`stride_kk`, `stride_ks`,
 `stride_kh`) describe NHD and HND alike. `MLA` reads one latent row per token: its first
@@ -45,6 +50,9 @@ def paged_attention_kernel(
     kv_lens_ptr,
     tile_seq_ptr,
     tile_row_ptr,
+    sinks_ptr,
+    window,
+    chunk,
     k_scale,
     pe_scale,
     v_scale,
@@ -67,6 +75,9 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -105,11 +116,21 @@ def paged_attention_kernel(
     q_pos = kv_len - q_len + qi
     last_row = tl.minimum(row0 + BLOCK_M, q_len * GROUP) - 1
     hi = kv_len - q_len + last_row // GROUP + 1
+    first_pos = kv_len - q_len + row0 // GROUP
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    if HAS_CHUNK:
+        lo = first_pos // chunk * chunk
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_valid = j < hi
         page = tl.load(kv_indices_ptr + page_start + j // PAGE, mask=j_valid, other=0)
@@ -131,6 +152,10 @@ def paged_attention_kernel(
         if HAS_CAP:
             s = soft_cap * _tanh(s / soft_cap)
         allowed = (j[None, :] <= q_pos[:, None]) & j_valid[None, :]
+        if HAS_WINDOW:
+            allowed &= j[None, :] > (q_pos - window)[:, None]
+        if HAS_CHUNK:
+            allowed &= j[None, :] >= (q_pos // chunk * chunk)[:, None]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A padding row may see no key in a chunk; keep its exponentials at 0, never NaN.
