@@ -122,6 +122,30 @@ def snapshot(mgr: BlockManager | HybridManager) -> Any:
     return len(mgr), seqs, [[getattr(st, name) for name in STATS_FIELDS] for st in stats]
 
 
+def manager_kwargs(num_cpu_blocks: int, auto_commit: bool) -> dict[str, Any]:
+    """The keyword arguments both machines build their managers with."""
+    return {
+        "num_cpu_blocks": num_cpu_blocks,
+        "hash_key": KEY,
+        "enable_events": True,
+        "auto_commit": auto_commit,
+        "watermark": 0.0,
+    }
+
+
+def machine_settings(max_examples: int) -> settings:
+    """Hypothesis settings of a binding machine."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=50,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        # The explain phase imports libcst, whose DeprecationWarning breaks
+        # `filterwarnings = error`.
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    )
+
+
 def step_inputs(source: Any) -> Any:
     """A step's attention inputs, from a plan or a batch (or a list of them, one per group)."""
     if isinstance(source, list):
@@ -151,13 +175,7 @@ class BindingMachine(RuleBasedStateMachine):
     def setup(
         self, num_blocks: int, block_size: int, num_cpu_blocks: int, auto_commit: bool
     ) -> None:
-        kwargs: dict[str, Any] = {
-            "num_cpu_blocks": num_cpu_blocks,
-            "hash_key": KEY,
-            "enable_events": True,
-            "auto_commit": auto_commit,
-            "watermark": 0.0,
-        }
+        kwargs = manager_kwargs(num_cpu_blocks, auto_commit)
         # Prompts and appends stretched to the block size, so that blocks of 16 or 32 tokens
         # fill, share and copy as often as small ones.
         self.stretch = max(1, block_size // 4)
@@ -538,14 +556,7 @@ class BindingMachine(RuleBasedStateMachine):
                     assert np.array_equal(getattr(plan, name), saved[name]), name
 
 
-BindingMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    # The explain phase imports libcst, whose DeprecationWarning breaks `filterwarnings = error`.
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-)
+BindingMachine.TestCase.settings = machine_settings(150)
 TestBindingMachine = BindingMachine.TestCase
 
 
@@ -569,13 +580,7 @@ class HybridBindingMachine(BindingMachine):
         windows: list[int],
         chunked: bool,
     ) -> None:
-        kwargs: dict[str, Any] = {
-            "num_cpu_blocks": num_cpu_blocks,
-            "hash_key": KEY,
-            "enable_events": True,
-            "auto_commit": auto_commit,
-            "watermark": 0.0,
-        }
+        kwargs = manager_kwargs(num_cpu_blocks, auto_commit)
         self.stretch = max(1, block_size // 4)
         # Windows of a few stretched tokens, so that blocks leave them within a run.
         groups = [Attention.full()]
@@ -595,11 +600,5 @@ class HybridBindingMachine(BindingMachine):
         return [super(HybridBindingMachine, self).new_rows(seq_ids) for _ in self.canon.groups]
 
 
-HybridBindingMachine.TestCase.settings = settings(
-    max_examples=80,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-)
+HybridBindingMachine.TestCase.settings = machine_settings(80)
 TestHybridBindingMachine = HybridBindingMachine.TestCase

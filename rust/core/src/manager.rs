@@ -50,8 +50,6 @@ pub struct BlockManager {
     /// blocks apart from other groups' in the shared prefix cache, and only group 0 records
     /// events.
     group: u8,
-    /// Whether group 0's blocks are announced ([`Shared`]'s `announced`).
-    announced: bool,
     seqs: SequenceMap,
     cpu_tier: CpuTier,
     events: Arc<EventLog>,
@@ -61,23 +59,17 @@ pub struct BlockManager {
 
 /// What the groups of a [`crate::HybridManager`] share: the pools, the prefix cache and the
 /// event log.
-#[derive(Clone)]
 pub(crate) struct Shared {
     gpu: Arc<BlockPool>,
     cpu: Arc<BlockPool>,
     prefix: Option<Arc<PrefixCache>>,
     events: Arc<EventLog>,
-    /// Whether group 0's blocks are announced by events: only with full attention (a windowed
-    /// group releases blocks whose children it still holds, which a router's tree cannot
-    /// follow).
-    pub(crate) announced: bool,
 }
 
 impl BlockManager {
     /// A manager with every block FREE.
     pub fn new(config: Config) -> Result<BlockManager, Error> {
-        let mut shared = BlockManager::shared(&config)?;
-        shared.announced = config.attention == Attention::Full;
+        let shared = BlockManager::shared(&config, config.attention)?;
         Ok(BlockManager::in_group(config, &shared, 0))
     }
 
@@ -91,7 +83,6 @@ impl BlockManager {
             cpu: Arc::clone(&shared.cpu),
             prefix: shared.prefix.clone(),
             group,
-            announced: shared.announced,
             seqs: SequenceMap::new(),
             cpu_tier: CpuTier::default(),
             events: Arc::clone(&shared.events),
@@ -101,8 +92,9 @@ impl BlockManager {
         }
     }
 
-    /// The pools, prefix cache and event log a manager (or the groups of one) is built on.
-    pub(crate) fn shared(config: &Config) -> Result<Shared, Error> {
+    /// The pools, prefix cache and event log a manager (or the groups of one) is built on;
+    /// events are recorded only if group 0 (attending as `first`) announces its blocks.
+    pub(crate) fn shared(config: &Config, first: Attention) -> Result<Shared, Error> {
         config.validate()?;
         let pool = |name: &str, blocks: u32| {
             BlockPool::new(blocks).map_err(|e| e.naming(format!("{name} = {blocks}")))
@@ -133,8 +125,9 @@ impl BlockManager {
             gpu: Arc::new(gpu),
             cpu: Arc::new(cpu),
             prefix,
-            events: Arc::new(EventLog::new(config.enable_events)),
-            announced: true,
+            events: Arc::new(EventLog::new(
+                config.enable_events && first == Attention::Full,
+            )),
         })
     }
 
@@ -317,9 +310,11 @@ impl BlockManager {
         s.table_changed();
     }
 
-    /// Whether this manager's blocks are announced by events: group 0's, with full attention.
+    /// Whether this manager's blocks are announced by events: group 0's, with full attention
+    /// (a windowed group releases blocks whose children it still holds, which a router's tree
+    /// cannot follow, so a manager whose group 0 is windowed records no events at all).
     fn announces(&self) -> bool {
-        self.group == 0 && self.announced
+        self.group == 0 && self.config.attention == Attention::Full
     }
 
     /// Whether this manager records events.
@@ -444,7 +439,7 @@ impl BlockManager {
         if evicted {
             if let Some(prefix) = &self.prefix {
                 prefix.unregister(block, || {
-                    if prefix.group_of(block) != 0 || !self.announced {
+                    if prefix.group_of(block) != 0 {
                         return;
                     }
                     self.events.record(|| EventKind::BlockRemoved {

@@ -223,6 +223,12 @@ pub(crate) fn salt_bytes(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec
     Err(PyValueError::new_err("salt must be bytes, str or None"))
 }
 
+/// Block ids as an int32 array (a table, or blocks to load).
+pub(crate) fn blocks<'py>(py: Python<'py>, blocks: Vec<u32>) -> Bound<'py, PyArray1<i32>> {
+    let blocks: Vec<i32> = blocks.into_iter().map(|b| b as i32).collect();
+    blocks.into_pyarray(py)
+}
+
 /// `[n, 2]` int32 block pairs (a swap's copies).
 pub(crate) fn pairs<'py>(py: Python<'py>, pairs: Vec<[u32; 2]>) -> Bound<'py, PyArray2<i32>> {
     let n = pairs.len();

@@ -11,11 +11,11 @@ use pagedkv as core;
 use crate::attention::Attention;
 use crate::batch::Batch;
 use crate::conversions::{
-    integer, integers, pairs, salt_bytes, seq_id, seq_ids, to_py, token_ids, Count,
+    blocks, integer, integers, pairs, salt_bytes, seq_id, seq_ids, to_py, token_ids, Count,
 };
 use crate::events::Event;
 use crate::manager::{build_config, pool_kind, token_counts};
-use crate::plan::{Plan, PlanPool};
+use crate::plan::{spare_plan, Plan, PlanPool};
 use crate::stats::Stats;
 
 /// KV-cache groups of a hybrid model over one pool (see `pagedkv.HybridManager`).
@@ -28,9 +28,8 @@ pub(crate) struct HybridManager {
 impl HybridManager {
     /// One plan per group to fill, recycled where possible.
     fn fresh_plans(&self) -> Vec<core::Plan> {
-        let mut spare = self.spare_plans.lock().unwrap_or_else(|p| p.into_inner());
         (0..self.inner.num_groups())
-            .map(|_| spare.pop().unwrap_or_default())
+            .map(|_| spare_plan(&self.spare_plans))
             .collect()
     }
 
@@ -184,12 +183,7 @@ impl HybridManager {
         let (reused, loads) = py
             .detach(|| (self.inner).allocate_loading(id, &tokens, loadable, salt.as_deref()))
             .map_err(to_py)?;
-        let loads = (loads.into_iter())
-            .map(|blocks| {
-                let blocks: Vec<i32> = blocks.into_iter().map(|b| b as i32).collect();
-                blocks.into_pyarray(py)
-            })
-            .collect();
+        let loads = loads.into_iter().map(|b| blocks(py, b)).collect();
         Ok((reused, loads))
     }
 
@@ -369,8 +363,7 @@ impl HybridManager {
         let table = (self.inner)
             .block_table(self::seq_id(seq_id)?, HybridManager::group(group)?)
             .map_err(to_py)?;
-        let table: Vec<i32> = table.into_iter().map(|b| b as i32).collect();
-        Ok(table.into_pyarray(py))
+        Ok(blocks(py, table))
     }
 
     /// The logical block group `group`'s table of the sequence starts at.

@@ -10,10 +10,12 @@ use pagedkv as core;
 
 use crate::attention::Attention;
 use crate::batch::Batch;
-use crate::conversions::{integer, integers, pairs, seq_id, seq_ids, to_py, token_ids, Count};
+use crate::conversions::{
+    blocks, integer, integers, pairs, seq_id, seq_ids, to_py, token_ids, Count,
+};
 use crate::events::Event;
 use crate::keys::{extra_keys_of, Keys};
-use crate::plan::{Plan, PlanPool};
+use crate::plan::{spare_plan, Plan, PlanPool};
 use crate::stats::Stats;
 
 /// The paged KV-cache block manager (see `pagedkv.BlockManager`).
@@ -25,14 +27,9 @@ pub(crate) struct BlockManager {
 }
 
 impl BlockManager {
-    /// Plan buffers to fill: a dropped plan's when there is one (warm, already large enough).
+    /// Plan buffers to fill, recycled where possible.
     fn fresh_plan(&self) -> core::Plan {
-        let spare = self
-            .spare_plans
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop();
-        spare.unwrap_or_default()
+        spare_plan(&self.spare_plans)
     }
 
     /// Wraps a filled plan for Python.
@@ -164,8 +161,7 @@ impl BlockManager {
                     .allocate_loading_keyed(id, &tokens, loadable_blocks, &keys.get())
             })
             .map_err(to_py)?;
-        let blocks: Vec<i32> = blocks.into_iter().map(|b| b as i32).collect();
-        Ok((reused, blocks.into_pyarray(py)))
+        Ok((reused, self::blocks(py, blocks)))
     }
 
     /// The first `num_loaded` blocks handed out by `allocate_loading` hold their KV now.
@@ -429,11 +425,7 @@ impl BlockManager {
             .inner
             .block_table(self::seq_id(seq_id)?)
             .map_err(to_py)?;
-        Ok(table
-            .into_iter()
-            .map(|b| b as i32)
-            .collect::<Vec<_>>()
-            .into_pyarray(py))
+        Ok(blocks(py, table))
     }
 
     /// Number of tokens in the sequence.

@@ -17,6 +17,12 @@ use crate::attention::Attention;
 /// faults once plans get large.
 pub(crate) type PlanPool = Arc<Mutex<Vec<core::Plan>>>;
 
+/// Plan buffers to fill: a dropped plan's when there is one (warm, already large enough).
+pub(crate) fn spare_plan(pool: &PlanPool) -> core::Plan {
+    let spare = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
+    spare.unwrap_or_default()
+}
+
 /// Spare plans kept per manager (a step rarely has more than two plans alive).
 const SPARE_PLANS: usize = 4;
 

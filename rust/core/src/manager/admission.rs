@@ -325,9 +325,7 @@ impl BlockManager {
     /// held but are no longer shared with new prompts; the CPU tier is no longer announced.
     pub fn reset_prefix_cache(&self) {
         let Some(prefix) = &self.prefix else {
-            if self.announces() {
-                self.events.record(|| EventKind::AllBlocksCleared);
-            }
+            self.events.record(|| EventKind::AllBlocksCleared);
             return;
         };
         let mut regions = prefix.lock_all();
@@ -338,11 +336,8 @@ impl BlockManager {
         }
         // Under the map's locks and the CPU tier's, so no GPU or CPU event can slip in before
         // this one for a block it clears.
-        self.cpu_tier.clear(|| {
-            if self.announces() {
-                self.events.record(|| EventKind::AllBlocksCleared)
-            }
-        });
+        self.cpu_tier
+            .clear(|| self.events.record(|| EventKind::AllBlocksCleared));
     }
 
     /// The prompt's hit in blocks and the blocks admitting it would take. Read-only.

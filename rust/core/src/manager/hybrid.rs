@@ -43,8 +43,7 @@ impl HybridManager {
                 "config.attention: give each group's attention in `groups`",
             ));
         }
-        let mut shared = BlockManager::shared(&config)?;
-        shared.announced = groups[0] == Attention::Full;
+        let shared = BlockManager::shared(&config, groups[0])?;
         let mut built = Vec::with_capacity(groups.len());
         for (g, &attention) in groups.iter().enumerate() {
             let group_config = Config {
