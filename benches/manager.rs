@@ -3,7 +3,8 @@
 //! that decode step, and the admission of a 1024-token prompt through its prefill (hit and miss,
 //! against caching off).
 //! The same decode step with two KV-cache groups (full attention and a sliding window of 128
-//! tokens, as gpt-oss has) against one group.
+//! tokens, as gpt-oss has) against one group, and against the sum of the full-attention step and
+//! the window's step alone.
 //! Targets: a decode step at batch 256 through a `Batch` <= 15 us; a verify step with 4 drafts
 //! <= 3x that step; two groups <= 2x one group; 1024-token hit (allocate, prefill plan, commit,
 //! free) <= 5 us.
@@ -27,7 +28,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, Criterion};
 use decoding::{Decoding, Managed, Stepping};
 use pagedkv::{Attention, BlockManager, Config, HybridManager, Plan, SeqId, Token};
-use timing::{record, short_runs, show_ratio, show_us};
+use timing::{mean_ns, record, short_runs, show_ratio, show_us};
 use tokens::Tokens;
 
 const BLOCK_SIZE: u32 = 16;
@@ -117,6 +118,17 @@ fn bench_step(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let elapsed = two.time(iters, Stepping::Persistent);
             record("step_batch_groups", elapsed, iters)
+        })
+    });
+    // The window's group alone, so that the two-group step can be set against the sum of its
+    // groups' own steps (what composing them costs beyond doing both).
+    let mut cfg = Config::new(blocks, BLOCK_SIZE);
+    cfg.attention = Attention::SlidingWindow(128);
+    let mut window = Decoding::new(Managed::One(Arc::new(BlockManager::new(cfg).unwrap())));
+    g.bench_function("step_batch/batch256_window_only", |b| {
+        b.iter_custom(|iters| {
+            let elapsed = window.time(iters, Stepping::Persistent);
+            record("step_batch_window", elapsed, iters)
         })
     });
     g.finish();
@@ -224,6 +236,21 @@ fn main() {
         "step_batch",
         "two groups against one (target <= 2x)",
     );
+    show_us(
+        "step_batch_window",
+        "step_batch, batch 256, one group of sliding window 128",
+    );
+    if let (Some(two), Some(full), Some(window)) = (
+        mean_ns("step_batch_groups"),
+        mean_ns("step_batch"),
+        mean_ns("step_batch_window"),
+    ) {
+        let sum = full + window;
+        println!(
+            "two groups against the sum of their one-group steps: {:.2}x the time",
+            two / sum
+        );
+    }
     show_us(
         "verify_batch",
         "verify_batch + rollback_batch, batch 256, 4 drafts a row",

@@ -28,4 +28,8 @@ PLAN_ARRAYS = (
     "positions",
     "block_tables",
     "copies",
+    "state_slots",
+    "state_copies",
+    "state_resets",
+    "state_saves",
 )

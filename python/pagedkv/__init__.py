@@ -16,6 +16,8 @@ from pagedkv._core import (
     HybridManager,
     OutOfBlocks,
     Plan,
+    StateConfig,
+    StateStats,
     Stats,
 )
 
@@ -33,6 +35,8 @@ __all__ = [
     "OutOfBlocks",
     "PagedAttention",
     "Plan",
+    "StateConfig",
+    "StateStats",
     "Stats",
 ]
 __version__ = "0.1.0"

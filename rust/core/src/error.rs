@@ -29,6 +29,14 @@ pub enum Error {
         /// Blocks that were available.
         available: usize,
     },
+    /// The state pool has fewer available slots (free, or evictable checkpoints) than the
+    /// operation needs.
+    OutOfStateSlots {
+        /// Slots the operation needed.
+        needed: usize,
+        /// Slots that were available.
+        available: usize,
+    },
     /// The sequence is swapped out to the CPU pool; swap it in first.
     SwappedOut(SeqId),
     /// The sequence is on the GPU, not swapped out.
@@ -63,6 +71,10 @@ impl fmt::Display for Error {
                     "out of {pool} blocks: needed {needed}, {available} available"
                 )
             }
+            Error::OutOfStateSlots { needed, available } => write!(
+                f,
+                "out of state slots: needed {needed}, {available} available"
+            ),
             Error::SwappedOut(id) => write!(f, "sequence {id} is swapped out"),
             Error::NotSwappedOut(id) => write!(f, "sequence {id} is not swapped out"),
             Error::InvalidArgument(msg) => write!(f, "invalid argument: {msg}"),

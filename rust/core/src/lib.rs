@@ -73,6 +73,7 @@ mod pool;
 mod prefix;
 mod prefix_map;
 mod sequence;
+mod state;
 mod stats;
 mod sync;
 mod wire;
@@ -88,6 +89,7 @@ pub use plan::Plan;
 #[doc(hidden)]
 pub use pool::bench as pool_bench;
 pub use prefix::BlockHash;
+pub use state::{SlotId, StateConfig, StateStats};
 pub use stats::Stats;
 pub use wire::{cache_salt, encode_batch, wire_hash, BatchHeader, Encoding};
 

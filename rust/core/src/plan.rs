@@ -42,6 +42,16 @@ pub struct Plan {
     pub block_size: u32,
     /// What the queries attend to (the manager's [`Attention`]).
     pub attention: Attention,
+    /// `[B]` each row's recurrent-state slot (a hybrid manager with a state group writes the
+    /// `state_*` fields into group 0's plan; they are empty otherwise).
+    pub state_slots: Vec<i32>,
+    /// `[n, 2]` row-major state copies `(src, dst)` to apply, in order, before the pass.
+    pub state_copies: Vec<i32>,
+    /// `[n]` state slots to reset to the initial state before the pass (after the copies).
+    pub state_resets: Vec<i32>,
+    /// `[n, 3]` row-major `(row, tokens, slot)`: during the pass, save row `row`'s state after
+    /// its first `tokens` query tokens into `slot` (a checkpoint once the pass is committed).
+    pub state_saves: Vec<i32>,
 }
 
 impl Plan {
@@ -118,6 +128,10 @@ impl Plan {
             &mut self.slot_mapping,
             &mut self.positions,
             &mut self.copies,
+            &mut self.state_slots,
+            &mut self.state_copies,
+            &mut self.state_resets,
+            &mut self.state_saves,
         ] {
             buffer.clear();
         }

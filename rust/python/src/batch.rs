@@ -22,6 +22,13 @@ fn int32<'py>(py: Python<'py>, values: &[i32]) -> Bound<'py, PyArray1<i32>> {
     PyArray1::from_slice(py, values)
 }
 
+/// A copy of flat int32 `values` as rows of `width`.
+fn rows_of<'py>(py: Python<'py>, values: &[i32], width: usize) -> Bound<'py, PyArray2<i32>> {
+    let rows =
+        Array2::from_shape_vec((values.len() / width, width), values.to_vec()).expect("whole rows");
+    rows.into_pyarray(py)
+}
+
 #[pymethods]
 impl Batch {
     /// An empty batch.
@@ -110,10 +117,32 @@ impl Batch {
     /// forward pass.
     #[getter]
     fn copies<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i32>> {
-        let flat = &self.inner.inputs().copies;
-        let pairs = Array2::from_shape_vec((flat.len() / 2, 2), flat.clone())
-            .expect("copies come in pairs");
-        pairs.into_pyarray(py)
+        rows_of(py, &self.inner.inputs().copies, 2)
+    }
+
+    /// `[B]` int32 recurrent-state slot of each row (group 0's batch of a hybrid manager with
+    /// a state group; empty otherwise).
+    #[getter]
+    fn state_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        int32(py, &self.inner.inputs().state_slots)
+    }
+
+    /// `[n, 2]` int32 state copies `(src, dst)` to apply, in order, before the last step's pass.
+    #[getter]
+    fn state_copies<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i32>> {
+        rows_of(py, &self.inner.inputs().state_copies, 2)
+    }
+
+    /// `[n]` int32 state slots to reset before the last step's pass (after the copies).
+    #[getter]
+    fn state_resets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        int32(py, &self.inner.inputs().state_resets)
+    }
+
+    /// `[n, 3]` int32 `(row, tokens, slot)` state saves of the last step's pass.
+    #[getter]
+    fn state_saves<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i32>> {
+        rows_of(py, &self.inner.inputs().state_saves, 3)
     }
 
     /// Token slots per block of the manager that stepped the batch (0 before any step).

@@ -26,7 +26,9 @@ pub(crate) fn to_py(err: core::Error) -> PyErr {
     let msg = err.to_string();
     match err {
         core::Error::UnknownSequence(_) => PyKeyError::new_err(msg),
-        core::Error::OutOfBlocks { .. } => OutOfBlocks::new_err(msg),
+        core::Error::OutOfBlocks { .. } | core::Error::OutOfStateSlots { .. } => {
+            OutOfBlocks::new_err(msg)
+        }
         core::Error::InvariantViolated(_) => PyRuntimeError::new_err(msg),
         core::Error::TooLarge { .. } => PyMemoryError::new_err(msg),
         core::Error::DuplicateSequence(_)
@@ -208,6 +210,16 @@ pub(crate) enum Count<'py> {
 impl<'py> FromPyObject<'py> for Count<'py> {
     fn extract_bound(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         Ok(Count::Given(obj.clone()))
+    }
+}
+
+impl Count<'_> {
+    /// The count, converted as argument `name`.
+    pub(crate) fn get(self, name: &str) -> PyResult<u32> {
+        match self {
+            Count::Given(v) => integer::<u32>(&v, name),
+            Count::Default(v) => Ok(v),
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use crate::conversions::{
 use crate::events::Event;
 use crate::manager::{build_config, pool_kind, token_counts};
 use crate::plan::{spare_plan, Plan, PlanPool};
+use crate::state::{StateConfig, StateStats};
 use crate::stats::Stats;
 
 /// KV-cache groups of a hybrid model over one pool (see `pagedkv.HybridManager`).
@@ -74,10 +75,10 @@ impl HybridManager {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, groups, *,
         num_cpu_blocks = Count::Default(0), enable_prefix_caching = true, watermark = 0.01,
-        hash_key = None, enable_events = false, auto_commit = true),
+        hash_key = None, enable_events = false, auto_commit = true, state = None),
         text_signature = "(num_blocks, block_size, groups, *, num_cpu_blocks=0, \
         enable_prefix_caching=True, watermark=0.01, hash_key=None, enable_events=False, \
-        auto_commit=True)")]
+        auto_commit=True, state=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<'_>,
@@ -89,6 +90,7 @@ impl HybridManager {
         hash_key: Option<&[u8]>,
         enable_events: bool,
         auto_commit: bool,
+        state: Option<StateConfig>,
     ) -> PyResult<Self> {
         let groups: Vec<Attention> = groups
             .extract()
@@ -104,7 +106,8 @@ impl HybridManager {
             auto_commit,
         )?;
         let groups: Vec<core::Attention> = groups.iter().map(|g| g.inner).collect();
-        let inner = core::HybridManager::new(config, &groups).map_err(to_py)?;
+        let state = state.map(|s| s.inner);
+        let inner = core::HybridManager::with_state(config, &groups, state).map_err(to_py)?;
         Ok(HybridManager {
             inner,
             spare_plans: PlanPool::default(),
@@ -115,6 +118,22 @@ impl HybridManager {
     #[getter]
     fn num_groups(&self) -> usize {
         self.inner.num_groups()
+    }
+
+    /// Whether the manager has a state group.
+    #[getter]
+    fn has_state(&self) -> bool {
+        self.inner.has_state()
+    }
+
+    /// The state group's working slot of the sequence.
+    fn state_slot(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        self.inner.state_slot(self::seq_id(seq_id)?).map_err(to_py)
+    }
+
+    /// The state group's slot counts and checkpoint counters.
+    fn state_stats(&self) -> PyResult<StateStats> {
+        Ok(self.inner.state_stats().map_err(to_py)?.into())
     }
 
     /// Each group's attention.

@@ -8,6 +8,7 @@ mod hybrid;
 mod keys;
 mod manager;
 mod plan;
+mod state;
 mod stats;
 
 use pyo3::prelude::*;
@@ -23,6 +24,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batch::Batch>()?;
     m.add_class::<plan::Plan>()?;
     m.add_class::<stats::Stats>()?;
+    m.add_class::<state::StateConfig>()?;
+    m.add_class::<state::StateStats>()?;
     m.add_class::<events::Event>()?;
     m.add("OutOfBlocks", m.py().get_type::<conversions::OutOfBlocks>())?;
     Ok(())

@@ -540,10 +540,7 @@ pub(crate) fn build_config(
     enable_events: bool,
     auto_commit: bool,
 ) -> PyResult<core::Config> {
-    let count = |name: &str, v: Count<'_>| match v {
-        Count::Given(v) => integer::<u32>(&v, name),
-        Count::Default(v) => Ok(v),
-    };
+    let count = |name: &str, v: Count<'_>| v.get(name);
     let hash_key = hash_key
         .map(|k| {
             <[u8; 32]>::try_from(k).map_err(|_| {

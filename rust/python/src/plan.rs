@@ -27,7 +27,7 @@ pub(crate) fn spare_plan(pool: &PlanPool) -> core::Plan {
 const SPARE_PLANS: usize = 4;
 
 /// The plan's int32 buffers that Python sees as numpy views, in the order of `Plan::buffers`.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq)]
 enum Field {
     KvIndptr,
     KvIndices,
@@ -37,6 +37,12 @@ enum Field {
     Positions,
     /// `(src, dst)` pairs, flat: viewed as `[n, 2]`.
     Copies,
+    StateSlots,
+    /// `(src, dst)` pairs, flat: viewed as `[n, 2]`.
+    StateCopies,
+    StateResets,
+    /// `(row, tokens, slot)` triples, flat: viewed as `[n, 3]`.
+    StateSaves,
 }
 
 /// Where one of the plan's buffers is: its address and length, captured once when the plan is
@@ -76,7 +82,7 @@ pub(crate) struct Plan {
     /// `buffers`.
     raw: core::Plan,
     /// The buffers of `raw`, in the order of [`Field`].
-    buffers: [Buffer; 7],
+    buffers: [Buffer; 11],
     pool: PlanPool,
     #[pyo3(get)]
     batch_size: usize,
@@ -100,6 +106,10 @@ impl Plan {
             Buffer::of(&mut plan.slot_mapping),
             Buffer::of(&mut plan.positions),
             Buffer::of(&mut plan.copies),
+            Buffer::of(&mut plan.state_slots),
+            Buffer::of(&mut plan.state_copies),
+            Buffer::of(&mut plan.state_resets),
+            Buffer::of(&mut plan.state_saves),
         ];
         Plan {
             batch_size: plan.batch_size(),
@@ -130,8 +140,9 @@ impl Plan {
         // and orders them.
         unsafe {
             match field {
-                Field::Copies => {
-                    let view = ArrayViewMut2::from_shape_ptr((len / 2, 2), ptr.as_ptr());
+                Field::Copies | Field::StateCopies | Field::StateSaves => {
+                    let width = if field == Field::StateSaves { 3 } else { 2 };
+                    let view = ArrayViewMut2::from_shape_ptr((len / width, width), ptr.as_ptr());
                     PyArray2::borrow_from_array(&view, container)
                         .into_any()
                         .unbind()
@@ -229,6 +240,29 @@ impl Plan {
     #[getter]
     fn copies(this: &Bound<'_, Self>) -> Py<PyAny> {
         Plan::array(this, Field::Copies)
+    }
+    /// `[B]` int32 recurrent-state slot of each row (a hybrid manager with a state group
+    /// fills the `state_*` arrays of group 0's plan; they are empty otherwise).
+    #[getter]
+    fn state_slots(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, Field::StateSlots)
+    }
+    /// `[n, 2]` int32 state copies `(src, dst)` to apply, in order, before the forward pass.
+    #[getter]
+    fn state_copies(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, Field::StateCopies)
+    }
+    /// `[n]` int32 state slots to reset to the initial state before the pass (after the
+    /// copies).
+    #[getter]
+    fn state_resets(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, Field::StateResets)
+    }
+    /// `[n, 3]` int32 `(row, tokens, slot)`: save row `row`'s state after its first `tokens`
+    /// query tokens into `slot` during the pass (a checkpoint once the pass is committed).
+    #[getter]
+    fn state_saves(this: &Bound<'_, Self>) -> Py<PyAny> {
+        Plan::array(this, Field::StateSaves)
     }
 
     fn __repr__(&self) -> String {

@@ -9,13 +9,21 @@ use crate::error::invalid;
 use crate::events::EventKind;
 use crate::keys::{check_spans, digest_of, HashKeys};
 use crate::manager::{check_room, BlockManager, Taken, MAX_TOKENS};
-use crate::prefix::{block_hash_of, BlockHash, PrefixCache, PromptHashes};
+use crate::prefix::{block_hash_of, root_key, BlockHash, MapKey, PrefixCache, PromptHashes};
 use crate::sequence::{LockedSeq, Sequence};
 use crate::stats::Counters;
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
 
 /// A prompt being admitted: its hashes and found hits (`None` without prefix caching).
 pub(super) struct Admission(Option<PromptHashes>);
+
+impl Admission {
+    /// The prompt's full blocks' map keys and its root key (none without prefix caching).
+    pub(super) fn keys(&self) -> Option<(&[MapKey], MapKey)> {
+        let p = self.0.as_ref()?;
+        Some((&p.keys, root_key(&p.root)))
+    }
+}
 
 /// Fails unless a prompt can be admitted; returns how many of its full blocks a hit may cover
 /// (never the last token).

@@ -5,6 +5,8 @@
 //! GPU and CPU pools, the prefix cache (each group's blocks keyed apart) and the event log.
 //! Every operation runs on all groups under one lock: it checks every group and reserves every
 //! group's blocks before any group changes, so it succeeds everywhere or changes nothing.
+//! Recurrent layers (Mamba, linear attention) form an optional state group: a working slot per
+//! sequence and checkpoints (see [`crate::StateConfig`]), kept under the same lock.
 
 use crate::batch::Batch;
 use crate::config::{Attention, Config};
@@ -14,8 +16,11 @@ use crate::manager::admission::{check_prompt, Admission};
 use crate::manager::step::{DecodeRows, Listed};
 use crate::manager::BlockManager;
 use crate::plan::Plan;
+use crate::prefix::MapKey;
+use crate::sequence::Sequence;
+use crate::state::{SavedPrefix, SlotId, StateCache, StateConfig, StateRow, StateStats};
 use crate::stats::Stats;
-use crate::sync::{lock, Mutex};
+use crate::sync::{lock, Mutex, MutexGuard};
 use crate::{BlockHash, BlockId, Error, PoolKind, SeqId, Token};
 
 /// A KV-cache manager for a hybrid model: one group per attention kind (or per set of layers
@@ -24,14 +29,24 @@ use crate::{BlockHash, BlockId, Error, PoolKind, SeqId, Token};
 pub struct HybridManager {
     groups: Vec<BlockManager>,
     /// Held by every operation, so what one operation counted and reserved for all groups is
-    /// still there when it takes it.
-    lock: Mutex<()>,
+    /// still there when it takes it; it guards the state group's slots, if any.
+    lock: Mutex<Option<Box<StateCache>>>,
 }
 
 impl HybridManager {
     /// Groups attending as `groups` (at most 255) over one pool built as `config` says
     /// (`config.attention` must be `Full`; each group's attention is in `groups`).
     pub fn new(config: Config, groups: &[Attention]) -> Result<HybridManager, Error> {
+        HybridManager::with_state(config, groups, None)
+    }
+
+    /// [`HybridManager::new`] with a state group for the model's recurrent layers, whose
+    /// states are checkpointed at block boundaries keyed by group 0's block keys.
+    pub fn with_state(
+        config: Config,
+        groups: &[Attention],
+        state: Option<StateConfig>,
+    ) -> Result<HybridManager, Error> {
         if groups.is_empty() || groups.len() > usize::from(u8::MAX) {
             return Err(invalid(format!(
                 "groups: a hybrid manager has 1 to 255 groups, not {}",
@@ -56,10 +71,31 @@ impl HybridManager {
             })?;
             built.push(BlockManager::in_group(group_config, &shared, g as u8));
         }
+        let state = match state {
+            Some(state) => Some(Box::new(StateCache::new(state, config.block_size)?)),
+            None => None,
+        };
         Ok(HybridManager {
             groups: built,
-            lock: Mutex::new(()),
+            lock: Mutex::new(state),
         })
+    }
+
+    /// Whether the manager has a state group.
+    pub fn has_state(&self) -> bool {
+        lock(&self.lock).is_some()
+    }
+
+    /// The state group's working slot of the sequence.
+    pub fn state_slot(&self, seq: SeqId) -> Result<SlotId, Error> {
+        let held = lock(&self.lock);
+        let state = held.as_ref().ok_or_else(no_state)?;
+        state.working(seq).ok_or(Error::UnknownSequence(seq))
+    }
+
+    /// The state group's slot counts and checkpoint counters.
+    pub fn state_stats(&self) -> Result<StateStats, Error> {
+        Ok(lock(&self.lock).as_ref().ok_or_else(no_state)?.stats())
     }
 
     /// Number of groups.
@@ -119,20 +155,30 @@ impl HybridManager {
     ) -> Result<(usize, Vec<Vec<BlockId>>), Error> {
         let keys = HashKeys::salt(salt);
         let hittable = check_prompt(tokens, self.groups[0].bs, &keys)?;
-        let _held = lock(&self.lock);
+        let mut held = lock(&self.lock);
+        if held.is_some() && loadable.is_some() {
+            return Err(invalid(
+                "allocate_loading: an external store holds no recurrent states",
+            ));
+        }
         if self.groups[0].contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
         let mut prompts: Vec<Admission> = (self.groups.iter())
             .map(|g| g.hash_prompt(tokens, &keys))
             .collect();
-        let (hit, allowed, tables) = loop {
+        let (hit, kv_hit, allowed, tables) = loop {
             // Each group's own longest hit, then the longest every group serves.
             let allowed: Vec<usize> = (self.groups.iter().zip(&mut prompts))
                 .map(|(g, p)| g.find_hits(p, tokens, hittable))
                 .collect();
             let lowest = allowed.iter().copied().min().expect("at least one group");
-            let hit = self.common_hit(&mut prompts, tokens, lowest);
+            // The KV groups' common hit, then the one the state group also serves.
+            let kv_hit = self.common_hit(None, &mut prompts, tokens, lowest);
+            let hit = self.common_hit(held.as_deref(), &mut prompts, tokens, kv_hit);
+            if let Some(state) = held.as_ref() {
+                state.check_available(1, checkpoint_key(&prompts, hit))?;
+            }
             let needed: usize = (self.groups.iter().zip(&prompts))
                 .map(|(g, p)| g.admission_needs(tokens, p))
                 .sum();
@@ -156,10 +202,17 @@ impl HybridManager {
                 }
             }
             if tables.len() == self.groups.len() {
-                break (hit, allowed, tables);
+                break (hit, kv_hit, allowed, tables);
             }
         };
         let bs = self.groups[0].bs.get();
+        // What the state group alone allowed, and the checkpoint the hit resumes from.
+        let resumed = held.as_ref().map(|state| {
+            let state_allowed = (prompts[0].keys()).map_or(0, |(keys, root)| {
+                state.find_hit(keys, root, tokens, hittable)
+            });
+            (state_allowed, checkpoint_key(&prompts, hit))
+        });
         let mut loads = Vec::with_capacity(self.groups.len());
         for (((g, p), (table, used)), allowed) in
             (self.groups.iter().zip(prompts)).zip(tables).zip(allowed)
@@ -170,24 +223,36 @@ impl HybridManager {
             let (_, blocks) = g.admit_locked(&mut one, admitted, table, needed, loadable);
             loads.push(blocks);
         }
+        if let (Some(state), Some((allowed, key))) = (held.as_mut(), resumed) {
+            state.count_lookup(allowed * bs, hit * bs);
+            let branch = if kv_hit > hit { kv_hit * bs } else { 0 };
+            state.admit(seq, key, tokens.len(), branch);
+        }
         Ok((hit * bs, loads))
     }
 
     /// [`BlockManager::confirm_loads`] in every group (each loaded its first `loaded` blocks).
     pub fn confirm_loads(&self, seq: SeqId, loaded: usize) -> Result<(), Error> {
+        self.no_state("confirm_loads")?;
         let _held = lock(&self.lock);
         self.each(|g| g.confirm_loads(seq, loaded))
     }
 
     /// Appends tokens to a running sequence in every group (see [`BlockManager::append`]).
     pub fn append(&self, seq: SeqId, tokens: &[Token]) -> Result<(), Error> {
-        let _held = lock(&self.lock);
+        let mut held = lock(&self.lock);
         let mut needed = 0;
         for g in &self.groups {
             needed += g.append_needs(seq, tokens)?;
         }
         self.check_available(needed)?;
-        self.each(|g| g.append(seq, tokens))
+        self.each(|g| g.append(seq, tokens))?;
+        if let Some(state) = held.as_mut() {
+            let mut one = self.groups[0].seqs.lock_one(seq);
+            let s = one.get().expect("appended to a live sequence");
+            state.set_prompt_len(seq, s.prompt_len);
+        }
+        Ok(())
     }
 
     /// One decode step in every group: `plans[g]` receives group `g`'s plan (see
@@ -226,6 +291,7 @@ impl HybridManager {
         counts: &[u32],
     ) -> Result<(), Error> {
         self.same_rows(batches)?;
+        self.no_state("verify_batch")?;
         self.decode(batches, tokens, Some(counts))
     }
 
@@ -237,7 +303,7 @@ impl HybridManager {
         plans: &mut [Plan],
     ) -> Result<(), Error> {
         self.one_plan_each(plans)?;
-        let _held = lock(&self.lock);
+        let mut held = lock(&self.lock);
         let mut prepared = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
             match g.prepare_plan(seqs, query_lens) {
@@ -251,8 +317,19 @@ impl HybridManager {
                 }
             }
         }
-        for ((g, mut p), plan) in self.groups.iter().zip(prepared).zip(plans) {
-            g.apply_plan(&mut p, query_lens, plan);
+        for ((g, p), plan) in self.groups.iter().zip(&mut prepared).zip(plans.iter_mut()) {
+            g.apply_plan(p, query_lens, plan);
+        }
+        if let Some(state) = held.as_mut() {
+            let g = &self.groups[0];
+            let rows: Vec<StateRow> = (seqs.iter().zip(query_lens).enumerate())
+                .map(|(row, (&seq, &q))| {
+                    let s = prepared[0].row(row);
+                    g.commit_states(state, seq, s);
+                    state_row(seq, s, q as usize)
+                })
+                .collect();
+            state.plan(&rows, &mut plans[0]);
         }
         Ok(())
     }
@@ -265,29 +342,50 @@ impl HybridManager {
         tokens: &[Token],
         counts: Option<&[u32]>,
     ) -> Result<(), Error> {
-        let _held = lock(&self.lock);
+        let mut held = lock(&self.lock);
         let mut prepared = Vec::with_capacity(self.groups.len());
         for (g, rows) in self.groups.iter().zip(rows.iter_mut()) {
             prepared.push(g.prepare_decode(rows, tokens, counts)?);
         }
         let needed = prepared.iter().map(|p| p.needed).sum();
         self.groups[0].reserve_gpu(needed)?;
-        for ((g, rows), mut p) in self.groups.iter().zip(rows).zip(prepared) {
-            g.apply_decode(&mut p, rows, tokens, counts);
+        for ((g, rows), p) in self.groups.iter().zip(rows.iter_mut()).zip(&mut prepared) {
+            g.apply_decode(p, rows, tokens, counts);
+        }
+        if let Some(state) = held.as_mut() {
+            let (g, rows) = (&self.groups[0], &mut rows[0]);
+            let states: Vec<StateRow> = (0..rows.seqs().len())
+                .map(|row| {
+                    let (seq, s) = (rows.seqs()[row], prepared[0].at(rows.place(row)));
+                    g.commit_states(state, seq, s);
+                    state_row(seq, s, 1)
+                })
+                .collect();
+            state.plan(&states, rows.plan());
         }
         Ok(())
     }
 
     /// Confirms forward passes in every group (see [`BlockManager::commit`]).
     pub fn commit(&self, seqs: &[SeqId], upto: Option<&[usize]>) -> Result<(), Error> {
-        let _held = lock(&self.lock);
-        self.each(|g| g.commit(seqs, upto))
+        let mut held = lock(&self.lock);
+        self.each(|g| g.commit(seqs, upto))?;
+        if let Some(state) = held.as_mut() {
+            let g = &self.groups[0];
+            for &seq in seqs {
+                let mut one = g.seqs.lock_one(seq);
+                let s = one.get().expect("committed a live sequence");
+                g.commit_states(state, seq, s);
+            }
+        }
+        Ok(())
     }
 
     /// Drops each sequence's last `counts[i]` tokens in every group (see
     /// [`BlockManager::rollback`]); refused where a window already released what the sequence
     /// would read again.
     pub fn rollback(&self, seqs: &[SeqId], counts: &[usize]) -> Result<(), Error> {
+        self.no_state("rollback")?;
         let _held = lock(&self.lock);
         for g in &self.groups {
             g.check_rollback(seqs, counts)?;
@@ -298,6 +396,7 @@ impl HybridManager {
     /// [`HybridManager::rollback`] of every row of each group's persistent batch.
     pub fn rollback_batch(&self, batches: &mut [Batch], counts: &[usize]) -> Result<(), Error> {
         self.same_rows(batches)?;
+        self.no_state("rollback_batch")?;
         let _held = lock(&self.lock);
         let seqs = batches[0].seqs().to_vec();
         for g in &self.groups {
@@ -311,14 +410,25 @@ impl HybridManager {
 
     /// Makes `child` a copy-on-write copy of `parent` in every group.
     pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<(), Error> {
-        let _held = lock(&self.lock);
-        self.each(|g| g.fork(parent, child))
+        let mut held = lock(&self.lock);
+        if let Some(state) = held.as_ref() {
+            state.check_available(1, None)?;
+        }
+        self.each(|g| g.fork(parent, child))?;
+        if let Some(state) = held.as_mut() {
+            state.fork(parent, child);
+        }
+        Ok(())
     }
 
     /// Ends a sequence in every group.
     pub fn free(&self, seq: SeqId) -> Result<(), Error> {
-        let _held = lock(&self.lock);
-        self.each(|g| g.free(seq))
+        let mut held = lock(&self.lock);
+        self.each(|g| g.free(seq))?;
+        if let Some(state) = held.as_mut() {
+            state.free(seq);
+        }
+        Ok(())
     }
 
     /// Moves the sequences to the CPU pool in every group; returns each group's `[gpu, cpu]`
@@ -334,6 +444,7 @@ impl HybridManager {
     }
 
     fn swap(&self, seqs: &[SeqId], to_gpu: bool) -> Result<Vec<Vec<[BlockId; 2]>>, Error> {
+        self.no_state(if to_gpu { "swap_in" } else { "swap_out" })?;
         let _held = lock(&self.lock);
         let mut needed = 0;
         for g in &self.groups {
@@ -423,27 +534,38 @@ impl HybridManager {
 
     /// How many leading full blocks of the prompt every group serves now (read-only).
     pub fn cached_prefix_blocks(&self, tokens: &[Token], salt: Option<&[u8]>) -> usize {
-        let _held = lock(&self.lock);
-        self.lookup(tokens, salt).map_or(0, |(hit, _)| hit)
+        let held = lock(&self.lock);
+        self.lookup(&held, tokens, salt).map_or(0, |(hit, _)| hit)
     }
 
     /// Whether a prompt could be admitted now while keeping the watermark in reserve.
     pub fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
-        let _held = lock(&self.lock);
+        let held = lock(&self.lock);
         let g = &self.groups[0];
-        self.lookup(tokens, salt)
+        self.lookup(&held, tokens, salt)
             .is_some_and(|(_, needed)| g.gpu.available() >= needed + g.watermark_blocks)
     }
 
     /// The prompt's hit in blocks and the blocks admitting it would take (none for a prompt
     /// that cannot be admitted). Read-only.
-    fn lookup(&self, tokens: &[Token], salt: Option<&[u8]>) -> Option<(usize, usize)> {
+    fn lookup(
+        &self,
+        held: &MutexGuard<'_, Option<Box<StateCache>>>,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+    ) -> Option<(usize, usize)> {
         let keys = HashKeys::salt(salt);
         let hittable = check_prompt(tokens, self.groups[0].bs, &keys).ok()?;
         let mut prompts: Vec<Admission> = (self.groups.iter())
             .map(|g| g.hash_prompt(tokens, &keys))
             .collect();
-        let hit = self.common_hit(&mut prompts, tokens, hittable);
+        let state = held.as_deref();
+        let hit = self.common_hit(state, &mut prompts, tokens, hittable);
+        if let Some(state) = state {
+            state
+                .check_available(1, checkpoint_key(&prompts, hit))
+                .ok()?;
+        }
         let needed = (self.groups.iter().zip(&prompts))
             .map(|(g, p)| g.admission_needs(tokens, p))
             .sum();
@@ -453,13 +575,23 @@ impl HybridManager {
     /// The longest hit of at most `upto` blocks every group serves, with each group's hits
     /// found for it: a window may serve a shorter prefix without serving a longer one, so the
     /// hit is lowered until all groups agree.
-    fn common_hit(&self, prompts: &mut [Admission], tokens: &[Token], upto: usize) -> usize {
+    fn common_hit(
+        &self,
+        state: Option<&StateCache>,
+        prompts: &mut [Admission],
+        tokens: &[Token],
+        upto: usize,
+    ) -> usize {
         let mut hit = upto;
         loop {
-            let lowest = (self.groups.iter().zip(prompts.iter_mut()))
+            let mut lowest = (self.groups.iter().zip(prompts.iter_mut()))
                 .map(|(g, p)| g.find_hits(p, tokens, hit))
                 .min()
                 .expect("at least one group");
+            if let Some(state) = state {
+                lowest = (prompts[0].keys())
+                    .map_or(0, |(keys, root)| state.find_hit(keys, root, tokens, lowest));
+            }
             if lowest == hit {
                 return hit;
             }
@@ -491,15 +623,22 @@ impl HybridManager {
 
     /// Drops every group's prefix-cache registrations.
     pub fn reset_prefix_cache(&self) {
-        let _held = lock(&self.lock);
+        let mut held = lock(&self.lock);
         self.groups[0].reset_prefix_cache();
+        if let Some(state) = held.as_mut() {
+            state.reset();
+        }
     }
 
     /// Verifies every invariant of every group and of the shared pools.
     pub fn check(&self) -> Result<(), Error> {
-        let _held = lock(&self.lock);
+        let held = lock(&self.lock);
         let groups: Vec<&BlockManager> = self.groups.iter().collect();
-        BlockManager::check_groups(&groups)
+        BlockManager::check_groups(&groups)?;
+        match held.as_ref() {
+            Some(state) => state.check(self.groups[0].len()),
+            None => Ok(()),
+        }
     }
 
     /// Runs `op` on every group in order. Only for operations that fail the same way in every
@@ -518,6 +657,17 @@ impl HybridManager {
                 needed,
                 available,
             });
+        }
+        Ok(())
+    }
+
+    /// Fails for an operation the state group does not support.
+    fn no_state(&self, call: &str) -> Result<(), Error> {
+        if self.has_state() {
+            return Err(invalid(format!(
+                "{call}: not supported with a state group (a recurrent state cannot be moved \
+                 or rolled back here; preempt by freeing and admitting again)"
+            )));
         }
         Ok(())
     }
@@ -547,5 +697,48 @@ impl HybridManager {
             ));
         }
         Ok(())
+    }
+}
+
+fn no_state() -> Error {
+    invalid("the manager has no state group")
+}
+
+/// Group 0's key of the last block of a hit of `hit` blocks: the checkpoint it resumes from.
+fn checkpoint_key(prompts: &[Admission], hit: usize) -> Option<MapKey> {
+    let (keys, _) = prompts[0].keys()?;
+    hit.checked_sub(1).map(|last| keys[last])
+}
+
+/// The state row of a sequence whose last `q` tokens are its query.
+fn state_row(seq: SeqId, s: &Sequence, q: usize) -> StateRow {
+    let end = s.tokens.len();
+    StateRow {
+        seq,
+        start: end - q,
+        end,
+    }
+}
+
+impl BlockManager {
+    /// Registers the state saves of `seq` (`s`, this group-0 manager's record) that its
+    /// computed tokens reach, keyed by the block that ends at each save point.
+    fn commit_states(&self, state: &mut StateCache, seq: SeqId, s: &mut Sequence) {
+        let Some(furthest) = state.due(seq, s.computed) else {
+            return;
+        };
+        let bs = self.bs.get();
+        if let Some(prefix) = &self.prefix {
+            self.hash_blocks(prefix, s, furthest / bs);
+        }
+        let s = &*s;
+        state.commit(seq, s.computed, |point| {
+            let last = point / bs - 1;
+            (s.keys.len() > last).then(|| SavedPrefix {
+                key: s.keys[last],
+                parent: s.parent_key(last),
+                tokens: &s.tokens[last * bs..point],
+            })
+        });
     }
 }

@@ -358,12 +358,26 @@ pub(super) struct Prepared<'a> {
     pub(super) needed: usize,
 }
 
+impl Prepared<'_> {
+    /// The locked sequence at `place`.
+    pub(super) fn at(&mut self, place: Place) -> &mut Sequence {
+        self.batch.at(place)
+    }
+}
+
 /// A plan after its first pass: the sequences' locked shards and where they are.
 pub(super) struct PreparedPlan<'a> {
     batch: LockedBatch<'a>,
     places: Vec<Place>,
     nnz: usize,
     queries: usize,
+}
+
+impl PreparedPlan<'_> {
+    /// The locked sequence of row `row`.
+    pub(super) fn row(&mut self, row: usize) -> &mut Sequence {
+        self.batch.at(self.places[row])
+    }
 }
 
 /// Fails unless a verify step got one count per row, each at least 1, adding up to its tokens.

@@ -1,0 +1,635 @@
+//! Recurrent-state slots (Mamba, linear attention) of a [`crate::HybridManager`]: one working
+//! slot per sequence and checkpoints, the state after a block-aligned prefix, keyed by that
+//! prefix's chained block key so a later prompt resumes from them. Lives under the hybrid
+//! manager's lock.
+//!
+//! The engine's state tensors are indexed by slot. A plan tells the engine, before its pass,
+//! which slots to copy (a hit's checkpoint or a fork's parent into a working slot) and to reset
+//! (a new sequence), and, during the pass, after which query token of a row to save the state
+//! into which slot. A save becomes a checkpoint when that pass is committed.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::error::invalid;
+use crate::lru::Lru;
+use crate::plan::Plan;
+use crate::prefix::MapKey;
+use crate::{Error, SeqId, Token};
+
+/// An index into the engine's state tensors.
+pub type SlotId = u32;
+
+/// How a hybrid manager keeps recurrent states: `num_slots` slots of the state pool (a working
+/// slot per live sequence; the rest hold checkpoints), of which at most `max_checkpoints` hold
+/// checkpoints. A checkpoint is saved at the last block boundary of each prompt and, with
+/// `checkpoint_interval` > 0 (a multiple of the block size), every that many tokens; a
+/// sequence keeps at most `checkpoints_per_sequence` of its interval checkpoints (its oldest
+/// are dropped first).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateConfig {
+    /// Slots of the state pool.
+    pub num_slots: u32,
+    /// The most slots that hold checkpoints (the checkpoint budget).
+    pub max_checkpoints: u32,
+    /// Tokens between interval checkpoints (0: prompt ends only).
+    pub checkpoint_interval: u32,
+    /// Interval checkpoints one sequence keeps along its path.
+    pub checkpoints_per_sequence: u32,
+}
+
+impl StateConfig {
+    /// `num_slots` slots, up to half of them checkpoints, saved at prompt ends only.
+    pub fn new(num_slots: u32) -> StateConfig {
+        StateConfig {
+            num_slots,
+            max_checkpoints: num_slots / 2,
+            checkpoint_interval: 0,
+            checkpoints_per_sequence: 1,
+        }
+    }
+
+    /// Fails naming the first bad field.
+    pub fn validate(&self, block_size: u32) -> Result<(), Error> {
+        if self.num_slots == 0 || self.num_slots >= i32::MAX as u32 {
+            return Err(invalid(format!(
+                "state.num_slots must be in 1..{}, not {}",
+                i32::MAX,
+                self.num_slots
+            )));
+        }
+        if self.max_checkpoints >= self.num_slots {
+            return Err(invalid(format!(
+                "state.max_checkpoints ({}) must leave working slots: below num_slots ({})",
+                self.max_checkpoints, self.num_slots
+            )));
+        }
+        if !self.checkpoint_interval.is_multiple_of(block_size) {
+            return Err(invalid(format!(
+                "state.checkpoint_interval ({}) must be a multiple of the block size ({block_size})",
+                self.checkpoint_interval
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A snapshot of the state pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateStats {
+    /// Slots of the pool.
+    pub num_slots: usize,
+    /// Slots free.
+    pub num_free: usize,
+    /// Working slots of live sequences.
+    pub num_working: usize,
+    /// Slots holding committed checkpoints.
+    pub num_checkpoints: usize,
+    /// Slots a planned pass writes a checkpoint into (not committed yet).
+    pub num_saving: usize,
+    /// Prompt tokens a checkpoint could have resumed (what the state group alone allowed).
+    pub prefix_allowed_tokens: u64,
+    /// Prompt tokens resumed from a checkpoint.
+    pub prefix_hit_tokens: u64,
+    /// Checkpoints registered.
+    pub saved: u64,
+    /// Checkpoint saves skipped: the budget was full of checkpoints in use.
+    pub skipped: u64,
+    /// Checkpoints evicted to make room.
+    pub evictions: u64,
+    /// Checkpoints dropped by the per-sequence cap.
+    pub dropped: u64,
+}
+
+/// What a slot holds.
+enum Slot {
+    Free,
+    /// A live sequence's working state.
+    Working(SeqId),
+    /// Written by a planned pass of the sequence; a checkpoint once that pass is committed.
+    Saving(SeqId),
+    /// A committed checkpoint; in the eviction order unless a queued copy reads it.
+    Checkpoint(Checkpoint),
+    /// A freed sequence's working slot that a queued copy still reads.
+    Draining,
+}
+
+/// The prefix a checkpoint is the state after: its last block's key, parent key and tokens
+/// (verified on a hit, as the prefix cache verifies blocks).
+struct Checkpoint {
+    key: MapKey,
+    parent: MapKey,
+    tokens: Box<[Token]>,
+    /// Queued copies reading it.
+    pins: u32,
+}
+
+/// A live sequence's slots.
+struct SeqState {
+    working: SlotId,
+    /// The last block boundary of the prompt, where a checkpoint is saved.
+    prompt_point: usize,
+    /// Where the sequence branched off a cached prefix its state could not resume (0: none).
+    branch: usize,
+    /// Saves of planned passes: (tokens the state is after, slot).
+    saving: Vec<(usize, SlotId)>,
+    /// The interval checkpoints this sequence registered, oldest first.
+    kept: VecDeque<(MapKey, SlotId)>,
+}
+
+/// The prefix a save is registered under once committed: the key, parent key and tokens of
+/// the block that ends at the save point.
+pub(crate) struct SavedPrefix<'a> {
+    pub(crate) key: MapKey,
+    pub(crate) parent: MapKey,
+    pub(crate) tokens: &'a [Token],
+}
+
+/// One row of a planned pass: the sequence and the positions its query covers.
+pub(crate) struct StateRow {
+    pub(crate) seq: SeqId,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+}
+
+/// The state pool.
+pub(crate) struct StateCache {
+    config: StateConfig,
+    block_size: usize,
+    slots: Vec<Slot>,
+    free: Vec<SlotId>,
+    /// Unpinned checkpoints, least recently saved or used first.
+    lru: Lru,
+    map: HashMap<MapKey, SlotId>,
+    seqs: HashMap<SeqId, SeqState>,
+    /// `[src, dst]` copies the next plan hands out, in order.
+    copies: Vec<[SlotId; 2]>,
+    /// Working slots the next plan resets.
+    resets: Vec<SlotId>,
+    num_saving: usize,
+    stats: StateStats,
+}
+
+impl StateCache {
+    pub(crate) fn new(config: StateConfig, block_size: u32) -> Result<StateCache, Error> {
+        config.validate(block_size)?;
+        let n = config.num_slots;
+        let lru = Lru::new(n).map_err(|e| e.naming("state slots".to_string()))?;
+        Ok(StateCache {
+            slots: (0..n).map(|_| Slot::Free).collect(),
+            free: (0..n).rev().collect(),
+            lru,
+            map: HashMap::new(),
+            seqs: HashMap::new(),
+            copies: Vec::new(),
+            resets: Vec::new(),
+            num_saving: 0,
+            stats: StateStats::default(),
+            block_size: block_size as usize,
+            config,
+        })
+    }
+
+    /// The largest `k <= upto` whose prefix of `k` blocks has a checkpoint (0 if none), given
+    /// the prompt's block keys, its root key and tokens. Read-only.
+    pub(crate) fn find_hit(
+        &self,
+        keys: &[MapKey],
+        root: MapKey,
+        tokens: &[Token],
+        upto: usize,
+    ) -> usize {
+        let bs = self.block_size;
+        (1..=upto.min(keys.len()))
+            .rev()
+            .find(|&k| {
+                let parent = if k == 1 { root } else { keys[k - 2] };
+                let block = &tokens[(k - 1) * bs..k * bs];
+                self.checkpoint(keys[k - 1], parent, block).is_some()
+            })
+            .unwrap_or(0)
+    }
+
+    fn checkpoint(&self, key: MapKey, parent: MapKey, tokens: &[Token]) -> Option<SlotId> {
+        let &slot = self.map.get(&key)?;
+        match &self.slots[slot as usize] {
+            Slot::Checkpoint(c) if c.parent == parent && *c.tokens == *tokens => Some(slot),
+            _ => None,
+        }
+    }
+
+    /// Counts an admission's lookup: the group alone allowed `allowed` tokens; `hit` were used.
+    pub(crate) fn count_lookup(&mut self, allowed: usize, hit: usize) {
+        self.stats.prefix_allowed_tokens += allowed as u64;
+        self.stats.prefix_hit_tokens += hit as u64;
+    }
+
+    /// Fails unless `needed` working slots can be taken (free, or evictable checkpoints other
+    /// than `keep`).
+    pub(crate) fn check_available(&self, needed: usize, keep: Option<MapKey>) -> Result<(), Error> {
+        let kept = keep.is_some_and(|key| {
+            let slot = self.map[&key];
+            matches!(&self.slots[slot as usize], Slot::Checkpoint(c) if c.pins == 0)
+        });
+        let available = self.free.len() + self.lru.len() - usize::from(kept);
+        if available < needed {
+            return Err(Error::OutOfStateSlots { needed, available });
+        }
+        Ok(())
+    }
+
+    /// Admits `seq` (checked by [`StateCache::check_available`]): its working slot starts from
+    /// the checkpoint under `hit` (copied by the next plan) or reset. `branch` is where the KV
+    /// groups could have resumed it: a checkpoint is saved there, so the next prompt that
+    /// branches off at the same point resumes from it.
+    pub(crate) fn admit(
+        &mut self,
+        seq: SeqId,
+        hit: Option<MapKey>,
+        prompt_len: usize,
+        branch: usize,
+    ) {
+        let source = hit.map(|key| self.pin(key));
+        let working = self.take_slot().expect("checked available");
+        self.slots[working as usize] = Slot::Working(seq);
+        match source {
+            Some(src) => self.copies.push([src, working]),
+            None => self.resets.push(working),
+        }
+        self.seqs
+            .insert(seq, self.new_seq(working, prompt_len, branch));
+    }
+
+    fn new_seq(&self, working: SlotId, prompt_len: usize, branch: usize) -> SeqState {
+        SeqState {
+            working,
+            branch,
+            prompt_point: prompt_len / self.block_size * self.block_size,
+            saving: Vec::new(),
+            kept: VecDeque::new(),
+        }
+    }
+
+    /// Sets the sequence's prompt end (its prompt grew before its first decode).
+    pub(crate) fn set_prompt_len(&mut self, seq: SeqId, prompt_len: usize) {
+        let bs = self.block_size;
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.prompt_point = prompt_len / bs * bs;
+        }
+    }
+
+    /// Pins the checkpoint under `key` for a queued copy; returns its slot.
+    fn pin(&mut self, key: MapKey) -> SlotId {
+        let slot = self.map[&key];
+        let Slot::Checkpoint(c) = &mut self.slots[slot as usize] else {
+            unreachable!("a mapped slot holds a checkpoint");
+        };
+        if c.pins == 0 {
+            self.lru.remove(slot);
+        }
+        c.pins += 1;
+        slot
+    }
+
+    /// A free slot, or the least recently used checkpoint's, evicted.
+    fn take_slot(&mut self) -> Option<SlotId> {
+        if let Some(slot) = self.free.pop() {
+            return Some(slot);
+        }
+        let slot = self.lru.pop_front()?;
+        self.evict(slot);
+        Some(slot)
+    }
+
+    fn evict(&mut self, slot: SlotId) {
+        let Slot::Checkpoint(c) = std::mem::replace(&mut self.slots[slot as usize], Slot::Free)
+        else {
+            unreachable!("the eviction order holds checkpoints");
+        };
+        self.map.remove(&c.key);
+        self.stats.evictions += 1;
+    }
+
+    /// Makes `child` a copy of `parent`'s state (copied by the next plan, before any pass of
+    /// either changes it); a slot was checked available. A parent whose own state is still
+    /// queued (a reset, or a copy from a checkpoint) gives the child the same, so no queued
+    /// copy reads a slot a queued operation writes.
+    pub(crate) fn fork(&mut self, parent: SeqId, child: SeqId) {
+        let p = &self.seqs[&parent];
+        let (src, prompt_point, branch) = (p.working, p.prompt_point, p.branch);
+        let working = self.take_slot().expect("checked available");
+        self.slots[working as usize] = Slot::Working(child);
+        if self.resets.contains(&src) {
+            self.resets.push(working);
+        } else {
+            let queued = self.copies.iter().find(|&&[_, dst]| dst == src);
+            let source = queued.map_or(src, |&[from, _]| from);
+            if let Slot::Checkpoint(c) = &mut self.slots[source as usize] {
+                c.pins += 1;
+            }
+            self.copies.push([source, working]);
+        }
+        let mut state = self.new_seq(working, 0, 0);
+        (state.prompt_point, state.branch) = (prompt_point, branch);
+        self.seqs.insert(child, state);
+    }
+
+    /// Ends `seq`: its working slot and uncommitted saves are freed (its committed checkpoints
+    /// stay cached).
+    pub(crate) fn free(&mut self, seq: SeqId) {
+        let Some(s) = self.seqs.remove(&seq) else {
+            return;
+        };
+        for (_, slot) in s.saving {
+            self.release(slot);
+            self.num_saving -= 1;
+        }
+        // A copy or reset into the freed slot is void; a copy out of it must still happen.
+        let working = s.working;
+        let mut unpinned = Vec::new();
+        self.copies.retain(|&[src, dst]| {
+            if dst == working {
+                unpinned.push(src);
+            }
+            dst != working
+        });
+        for src in unpinned {
+            self.unpin(src);
+        }
+        self.resets.retain(|&slot| slot != working);
+        if self.copies.iter().any(|&[src, _]| src == working) {
+            self.slots[working as usize] = Slot::Draining;
+        } else {
+            self.release(working);
+        }
+    }
+
+    fn release(&mut self, slot: SlotId) {
+        self.slots[slot as usize] = Slot::Free;
+        self.free.push(slot);
+    }
+
+    /// A queued copy out of `slot` was handed out or dropped.
+    fn unpin(&mut self, slot: SlotId) {
+        match &mut self.slots[slot as usize] {
+            Slot::Checkpoint(c) => {
+                c.pins -= 1;
+                if c.pins == 0 {
+                    self.lru.push_back(slot);
+                }
+            }
+            Slot::Draining if !self.copies.iter().any(|&[src, _]| src == slot) => {
+                self.release(slot);
+            }
+            _ => {}
+        }
+    }
+
+    /// Writes the state inputs of a pass over `rows` into `plan`'s `state_*` fields: each
+    /// row's working slot, the queued copies and resets, and the checkpoints to save (a slot
+    /// each, while the budget allows).
+    pub(crate) fn plan(&mut self, rows: &[StateRow], plan: &mut Plan) {
+        let (slots, copies, resets, saves) = (
+            &mut plan.state_slots,
+            &mut plan.state_copies,
+            &mut plan.state_resets,
+            &mut plan.state_saves,
+        );
+        slots.clear();
+        copies.clear();
+        resets.clear();
+        saves.clear();
+        let queued = std::mem::take(&mut self.copies);
+        copies.extend(
+            queued
+                .iter()
+                .flat_map(|&[src, dst]| [src as i32, dst as i32]),
+        );
+        for &[src, _] in &queued {
+            self.unpin(src);
+        }
+        resets.extend(self.resets.drain(..).map(|slot| slot as i32));
+        for (row, r) in rows.iter().enumerate() {
+            slots.push(self.seqs[&r.seq].working as i32);
+            for point in self.points(r) {
+                let Some(slot) = self.take_checkpoint_slot() else {
+                    self.stats.skipped += 1;
+                    continue;
+                };
+                self.slots[slot as usize] = Slot::Saving(r.seq);
+                self.num_saving += 1;
+                let s = self.seqs.get_mut(&r.seq).expect("planned rows are live");
+                s.saving.push((point, slot));
+                saves.extend([row as i32, (point - r.start) as i32, slot as i32]);
+            }
+        }
+    }
+
+    /// The checkpoint points a row's query passes: block boundaries in `start + 1..=end` at
+    /// the prompt's end, its branch point or a multiple of the interval, not being saved
+    /// already.
+    fn points(&self, r: &StateRow) -> Vec<usize> {
+        let s = &self.seqs[&r.seq];
+        let (bs, interval) = (self.block_size, self.config.checkpoint_interval as usize);
+        let first = (r.start / bs + 1) * bs;
+        (first..=r.end)
+            .step_by(bs)
+            .filter(|&p| {
+                p == s.prompt_point || p == s.branch || (interval > 0 && p.is_multiple_of(interval))
+            })
+            .filter(|&p| !s.saving.iter().any(|&(q, _)| q == p))
+            .collect()
+    }
+
+    /// A slot for a new checkpoint within the budget: free, or the oldest checkpoint's.
+    fn take_checkpoint_slot(&mut self) -> Option<SlotId> {
+        if self.map.len() + self.num_saving >= self.config.max_checkpoints as usize {
+            let slot = self.lru.pop_front()?;
+            self.evict(slot);
+            return Some(slot);
+        }
+        self.take_slot()
+    }
+
+    /// The furthest save point of `seq` that `computed` tokens reach, if any.
+    pub(crate) fn due(&self, seq: SeqId, computed: usize) -> Option<usize> {
+        let s = self.seqs.get(&seq)?;
+        s.saving
+            .iter()
+            .map(|&(p, _)| p)
+            .filter(|&p| p <= computed)
+            .max()
+    }
+
+    /// Saves of `seq` at points up to `computed` become checkpoints under the prefix
+    /// `prefix(point)` names (none: the slot is freed).
+    pub(crate) fn commit<'a>(
+        &mut self,
+        seq: SeqId,
+        computed: usize,
+        mut prefix: impl FnMut(usize) -> Option<SavedPrefix<'a>>,
+    ) {
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        if s.saving.iter().all(|&(point, _)| point > computed) {
+            return;
+        }
+        let mut done = Vec::new();
+        s.saving.retain(|&(point, slot)| {
+            if point <= computed {
+                done.push((point, slot));
+            }
+            point > computed
+        });
+        let (prompt_point, branch) = (s.prompt_point, s.branch);
+        for (point, slot) in done {
+            self.num_saving -= 1;
+            match prefix(point).filter(|p| !self.map.contains_key(&p.key)) {
+                Some(p) => {
+                    self.register(slot, &p);
+                    if point != prompt_point && point != branch {
+                        self.keep(seq, p.key, slot);
+                    }
+                }
+                None => self.release(slot),
+            }
+        }
+    }
+
+    fn register(&mut self, slot: SlotId, p: &SavedPrefix<'_>) {
+        self.slots[slot as usize] = Slot::Checkpoint(Checkpoint {
+            key: p.key,
+            parent: p.parent,
+            tokens: p.tokens.into(),
+            pins: 0,
+        });
+        self.map.insert(p.key, slot);
+        self.lru.push_back(slot);
+        self.stats.saved += 1;
+    }
+
+    /// Counts an interval checkpoint against the sequence's cap, dropping its oldest beyond it.
+    fn keep(&mut self, seq: SeqId, key: MapKey, slot: SlotId) {
+        let cap = self.config.checkpoints_per_sequence as usize;
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .expect("committed sequences are live");
+        s.kept.push_back((key, slot));
+        if s.kept.len() <= cap {
+            return;
+        }
+        let (key, slot) = s.kept.pop_front().expect("over the cap");
+        let unpinned = matches!(&self.slots[slot as usize],
+            Slot::Checkpoint(c) if c.key == key && c.pins == 0);
+        if unpinned {
+            self.lru.remove(slot);
+            self.map.remove(&key);
+            self.release(slot);
+            self.stats.dropped += 1;
+        }
+    }
+
+    /// Drops every checkpoint no queued copy reads.
+    pub(crate) fn reset(&mut self) {
+        while let Some(slot) = self.lru.pop_front() {
+            let Slot::Checkpoint(c) = &self.slots[slot as usize] else {
+                unreachable!("the eviction order holds checkpoints");
+            };
+            self.map.remove(&c.key);
+            self.release(slot);
+        }
+    }
+
+    /// The sequence's working slot.
+    pub(crate) fn working(&self, seq: SeqId) -> Option<SlotId> {
+        self.seqs.get(&seq).map(|s| s.working)
+    }
+
+    pub(crate) fn stats(&self) -> StateStats {
+        let mut stats = self.stats;
+        stats.num_slots = self.slots.len();
+        stats.num_free = self.free.len();
+        stats.num_working = self.seqs.len();
+        stats.num_checkpoints = self.map.len();
+        stats.num_saving = self.num_saving;
+        stats
+    }
+
+    /// Verifies the slot accounting: every slot is in exactly one state and every index over
+    /// the slots agrees with it; `live` is the number of live sequences.
+    pub(crate) fn check(&self, live: usize) -> Result<(), Error> {
+        let broken = |what: String| Err(Error::InvariantViolated(format!("state slots: {what}")));
+        if self.seqs.len() != live {
+            return broken(format!(
+                "{} working slots for {live} sequences",
+                self.seqs.len()
+            ));
+        }
+        let mut seen = vec![0u8; self.slots.len()];
+        let mut mark = |slot: SlotId| {
+            seen[slot as usize] += 1;
+        };
+        self.free.iter().for_each(|&s| mark(s));
+        self.map.values().for_each(|&s| mark(s));
+        let mut saving = 0;
+        for (&id, s) in &self.seqs {
+            mark(s.working);
+            if !matches!(self.slots[s.working as usize], Slot::Working(w) if w == id) {
+                return broken(format!("sequence {id}'s working slot {}", s.working));
+            }
+            for &(_, slot) in &s.saving {
+                mark(slot);
+                saving += 1;
+                if !matches!(self.slots[slot as usize], Slot::Saving(w) if w == id) {
+                    return broken(format!("sequence {id}'s save slot {slot}"));
+                }
+            }
+        }
+        let draining = (0..self.slots.len())
+            .filter(|&i| matches!(self.slots[i], Slot::Draining))
+            .inspect(|&i| mark(i as SlotId))
+            .count();
+        if saving != self.num_saving {
+            return broken(format!("{saving} saves counted as {}", self.num_saving));
+        }
+        if let Some(slot) = seen.iter().position(|&n| n != 1) {
+            return broken(format!("slot {slot} is in {} states", seen[slot]));
+        }
+        if self.map.len() + saving > self.config.max_checkpoints as usize {
+            return broken(format!(
+                "{} checkpoints over the budget",
+                self.map.len() + saving
+            ));
+        }
+        for (key, &slot) in &self.map {
+            match &self.slots[slot as usize] {
+                Slot::Checkpoint(c) if c.key == *key => {}
+                _ => return broken(format!("slot {slot} is mapped but holds no checkpoint")),
+            }
+        }
+        let pinned = self
+            .copies
+            .iter()
+            .filter(|&&[src, _]| matches!(self.slots[src as usize], Slot::Checkpoint(_)));
+        let pins: u32 = (self.slots.iter())
+            .map(|s| match s {
+                Slot::Checkpoint(c) => c.pins,
+                _ => 0,
+            })
+            .sum();
+        if pins as usize != pinned.count() {
+            return broken(format!("{pins} pins for the queued copies"));
+        }
+        let unpinned = self.map.values().filter(
+            |&&slot| matches!(&self.slots[slot as usize], Slot::Checkpoint(c) if c.pins == 0),
+        );
+        if unpinned.count() != self.lru.len() {
+            return broken("the eviction order is not the unpinned checkpoints".to_string());
+        }
+        if draining > 0 && self.copies.is_empty() {
+            return broken("a draining slot with no queued copy".to_string());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,154 @@
+//! `StateConfig` and `StateStats`: the state group of a `HybridManager` (see
+//! `pagedkv.StateConfig`); conversions only.
+
+use pyo3::prelude::*;
+
+use pagedkv as core;
+
+use crate::conversions::{integer, Count};
+
+/// How a hybrid manager keeps the recurrent states of its Mamba / linear-attention layers
+/// (see `pagedkv.StateConfig`).
+#[pyclass(frozen, eq, module = "pagedkv._core")]
+#[derive(Clone, PartialEq)]
+pub(crate) struct StateConfig {
+    pub(crate) inner: core::StateConfig,
+}
+
+#[pymethods]
+impl StateConfig {
+    #[new]
+    #[pyo3(signature = (num_slots, *, max_checkpoints = None,
+        checkpoint_interval = Count::Default(0), checkpoints_per_sequence = Count::Default(1)),
+        text_signature = "(num_slots, *, max_checkpoints=None, checkpoint_interval=0, \
+        checkpoints_per_sequence=1)")]
+    fn new(
+        num_slots: &Bound<'_, PyAny>,
+        max_checkpoints: Option<&Bound<'_, PyAny>>,
+        checkpoint_interval: Count<'_>,
+        checkpoints_per_sequence: Count<'_>,
+    ) -> PyResult<StateConfig> {
+        let num_slots = integer::<u32>(num_slots, "num_slots")?;
+        let mut inner = core::StateConfig::new(num_slots);
+        if let Some(max) = max_checkpoints {
+            inner.max_checkpoints = integer::<u32>(max, "max_checkpoints")?;
+        }
+        inner.checkpoint_interval = checkpoint_interval.get("checkpoint_interval")?;
+        inner.checkpoints_per_sequence =
+            checkpoints_per_sequence.get("checkpoints_per_sequence")?;
+        Ok(StateConfig { inner })
+    }
+
+    /// Slots of the state pool (working slots and checkpoints).
+    #[getter]
+    fn num_slots(&self) -> u32 {
+        self.inner.num_slots
+    }
+
+    /// The most slots that hold checkpoints.
+    #[getter]
+    fn max_checkpoints(&self) -> u32 {
+        self.inner.max_checkpoints
+    }
+
+    /// Tokens between interval checkpoints (0: prompt ends and branch points only).
+    #[getter]
+    fn checkpoint_interval(&self) -> u32 {
+        self.inner.checkpoint_interval
+    }
+
+    /// Interval checkpoints one sequence keeps along its path.
+    #[getter]
+    fn checkpoints_per_sequence(&self) -> u32 {
+        self.inner.checkpoints_per_sequence
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner;
+        format!(
+            "StateConfig({}, max_checkpoints={}, checkpoint_interval={}, \
+             checkpoints_per_sequence={})",
+            c.num_slots, c.max_checkpoints, c.checkpoint_interval, c.checkpoints_per_sequence
+        )
+    }
+}
+
+/// A snapshot of a hybrid manager's state pool.
+#[pyclass(frozen, get_all, module = "pagedkv._core")]
+pub(crate) struct StateStats {
+    /// Slots of the pool.
+    num_slots: usize,
+    /// Slots free.
+    num_free: usize,
+    /// Working slots of live sequences.
+    num_working: usize,
+    /// Slots holding committed checkpoints.
+    num_checkpoints: usize,
+    /// Slots a planned pass saves a checkpoint into (not committed yet).
+    num_saving: usize,
+    /// Prompt tokens a checkpoint could have resumed (what the state group alone allowed).
+    prefix_allowed_tokens: u64,
+    /// Prompt tokens resumed from a checkpoint.
+    prefix_hit_tokens: u64,
+    /// Checkpoints registered.
+    saved: u64,
+    /// Checkpoint saves skipped: the budget was full of checkpoints in use.
+    skipped: u64,
+    /// Checkpoints evicted to make room.
+    evictions: u64,
+    /// Checkpoints dropped by the per-sequence cap.
+    dropped: u64,
+}
+
+impl From<core::StateStats> for StateStats {
+    fn from(stats: core::StateStats) -> StateStats {
+        let core::StateStats {
+            num_slots,
+            num_free,
+            num_working,
+            num_checkpoints,
+            num_saving,
+            prefix_allowed_tokens,
+            prefix_hit_tokens,
+            saved,
+            skipped,
+            evictions,
+            dropped,
+        } = stats;
+        StateStats {
+            num_slots,
+            num_free,
+            num_working,
+            num_checkpoints,
+            num_saving,
+            prefix_allowed_tokens,
+            prefix_hit_tokens,
+            saved,
+            skipped,
+            evictions,
+            dropped,
+        }
+    }
+}
+
+#[pymethods]
+impl StateStats {
+    fn __repr__(&self) -> String {
+        format!(
+            "StateStats(num_slots={}, num_free={}, num_working={}, num_checkpoints={}, \
+             num_saving={}, prefix_allowed_tokens={}, prefix_hit_tokens={}, saved={}, \
+             skipped={}, evictions={}, dropped={})",
+            self.num_slots,
+            self.num_free,
+            self.num_working,
+            self.num_checkpoints,
+            self.num_saving,
+            self.prefix_allowed_tokens,
+            self.prefix_hit_tokens,
+            self.saved,
+            self.skipped,
+            self.evictions,
+            self.dropped
+        )
+    }
+}
