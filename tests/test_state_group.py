@@ -1,0 +1,238 @@
+"""The state group of `HybridManager` through the binding: a state machine drives admissions
+(prompts sharing prefixes, some chunked), decode steps by `step` and `step_batch`, forks, frees,
+commits and cache resets, and runs every plan on a model of the engine's state tensors (each slot
+holds the tokens its state summarizes): every pass must start from the state of exactly the
+tokens before it, whether from a reset, a checkpoint or a fork. Bad configurations name the
+argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedkv import Attention, Batch, HybridManager, OutOfBlocks, StateConfig
+
+BLOCK = 4
+
+
+class StateEngine:
+    """The engine's state tensors, modelled."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.slots: list[list[int]] = [[] for _ in range(num_slots)]
+
+    def run(self, plan: Any, rows: list[tuple[int, list[int]]], starts: list[int]) -> None:
+        """Applies a plan's copies and resets, then each row's pass from `starts[row]`."""
+        for src, dst in plan.state_copies.tolist():
+            self.slots[dst] = list(self.slots[src])
+        for slot in plan.state_resets.tolist():
+            self.slots[slot] = []
+        saves = plan.state_saves.tolist()
+        assert plan.state_slots.tolist() == [self.working[seq] for seq, _ in rows]
+        for row, ((seq, tokens), start) in enumerate(zip(rows, starts, strict=True)):
+            working = self.working[seq]
+            assert self.slots[working] == tokens[:start], f"sequence {seq} before its pass"
+            for saved_row, after, slot in saves:
+                if saved_row == row:
+                    self.slots[slot] = tokens[: start + after]
+            self.slots[working] = list(tokens)
+
+    working: dict[int, int]
+
+
+class StateGroupMachine(RuleBasedStateMachine):
+    @initialize(
+        num_slots=st.integers(3, 8),
+        interval=st.sampled_from([0, BLOCK, 3 * BLOCK]),
+        cap=st.integers(1, 2),
+        window=st.booleans(),
+        auto_commit=st.booleans(),
+    )
+    def setup(
+        self, num_slots: int, interval: int, cap: int, window: bool, auto_commit: bool
+    ) -> None:
+        groups = [Attention.full()] + ([Attention.sliding_window(6)] if window else [])
+        state = StateConfig(
+            num_slots,
+            max_checkpoints=num_slots // 2,
+            checkpoint_interval=interval,
+            checkpoints_per_sequence=cap,
+        )
+        self.mgr = HybridManager(
+            200, BLOCK, groups, watermark=0.0, auto_commit=auto_commit, state=state
+        )
+        self.auto_commit = auto_commit
+        self.engine = StateEngine(num_slots)
+        self.engine.working = {}
+        self.live: dict[int, list[int]] = {}
+        self.next_id = 0
+        self.batches: list[Batch] | None = None
+
+    def _refresh_slots(self) -> None:
+        self.engine.working = {seq: self.mgr.state_slot(seq) for seq in self.live}
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    @rule(stem=st.integers(0, 2), length=st.integers(1, 30), tail=st.lists(st.integers(0, 3)))
+    def allocate(self, stem: int, length: int, tail: list[int]) -> None:
+        prompt = [stem * 100 + i for i in range(length)] + [50 + t for t in tail]
+        seq = self._new_id()
+        try:
+            reused = self.mgr.allocate(seq, prompt[: max(1, len(prompt) // 2)])
+        except OutOfBlocks:
+            assert seq not in self.mgr
+            return
+        self.live[seq] = prompt[: max(1, len(prompt) // 2)]
+        self._refresh_slots()
+        # A chunked prefill: the first half planned, the rest appended and planned.
+        plans = self.mgr.plan([seq], [len(self.live[seq]) - reused])
+        self.engine.run(plans[0], [(seq, self.live[seq])], [reused])
+        rest = prompt[len(self.live[seq]) :]
+        if rest:
+            start = len(self.live[seq])
+            self.mgr.append(seq, rest)
+            self.live[seq] = prompt
+            plans = self.mgr.plan([seq], [len(rest)])
+            self.engine.run(plans[0], [(seq, prompt)], [start])
+        self.batches = None
+
+    @precondition(lambda self: self.live)
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=8, max_size=8), persistent=st.booleans())
+    def step(self, tokens: list[int], persistent: bool) -> None:
+        seqs = sorted(self.live)
+        step_tokens = tokens[: len(seqs)] + [0] * max(0, len(seqs) - len(tokens))
+        if persistent:
+            if self.batches is None:
+                self.batches = [Batch() for _ in self.mgr.groups]
+                for batch in self.batches:
+                    for seq in seqs:
+                        batch.add(seq)
+            try:
+                self.mgr.step_batch(self.batches, step_tokens)
+            except OutOfBlocks:
+                return
+            plan: Any = self.batches[0]
+            order = self.batches[0].seq_ids.tolist()
+        else:
+            try:
+                plan = self.mgr.step(seqs, step_tokens)[0]
+            except OutOfBlocks:
+                return
+            order = seqs
+        by_seq = dict(zip(seqs, step_tokens, strict=True))
+        for seq in order:
+            self.live[seq].append(by_seq[seq])
+        rows = [(seq, self.live[seq]) for seq in order]
+        self.engine.run(plan, rows, [len(t) - 1 for _, t in rows])
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.live)))
+        child = self._new_id()
+        self.mgr.commit([parent])
+        try:
+            self.mgr.fork(parent, child)
+        except OutOfBlocks:
+            assert child not in self.mgr
+            return
+        self.live[child] = list(self.live[parent])
+        self._refresh_slots()
+        self.batches = None
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.live)))
+        self.mgr.free(seq)
+        del self.live[seq]
+        self._refresh_slots()
+        self.batches = None
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def commit(self) -> None:
+        self.mgr.commit(sorted(self.live))
+
+    @rule()
+    def reset(self) -> None:
+        self.mgr.reset_prefix_cache()
+
+    @invariant()
+    def checked(self) -> None:
+        if hasattr(self, "mgr"):
+            self.mgr.check()
+            stats = self.mgr.state_stats()
+            assert stats.num_working == len(self.live)
+            assert stats.num_checkpoints + stats.num_saving <= stats.num_slots // 2
+
+
+StateGroupMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None
+)
+TestStateGroupMachine = StateGroupMachine.TestCase
+
+
+def test_a_shared_system_prompt_hits_from_the_third_request() -> None:
+    """900 shared tokens, block 16: the second request saves where it branched off (896), so
+    every later one resumes there."""
+    mgr = HybridManager(512, 16, [Attention.full()], state=StateConfig(8, max_checkpoints=4))
+    system = list(range(1000, 1900))
+    reused = []
+    for seq in range(6):
+        prompt = system + [seq * 100 + i for i in range(40)]
+        reused.append(mgr.allocate(seq, prompt))
+        mgr.plan([seq], [len(prompt) - reused[-1]])
+        mgr.commit([seq])
+        mgr.free(seq)
+    assert reused == [0, 0, 896, 896, 896, 896]
+    stats = mgr.state_stats()
+    assert stats.prefix_hit_tokens == 4 * 896
+    assert stats.num_checkpoints <= 4
+
+
+@pytest.mark.parametrize(
+    ("state", "field"),
+    [
+        (lambda: StateConfig(0), "state.num_slots"),
+        (lambda: StateConfig(4, max_checkpoints=4), "state.max_checkpoints"),
+        (lambda: StateConfig(4, checkpoint_interval=6), "state.checkpoint_interval"),
+        (lambda: StateConfig(-1), "num_slots"),
+        (lambda: StateConfig(4, checkpoints_per_sequence="2"), "checkpoints_per_sequence"),
+    ],
+)
+def test_bad_state_configs_name_the_argument(state: Any, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        HybridManager(64, 4, [Attention.full()], state=state())
+
+
+def test_out_of_state_slots_is_out_of_blocks_and_changes_nothing() -> None:
+    mgr = HybridManager(64, 4, [Attention.full()], state=StateConfig(2, max_checkpoints=1))
+    mgr.allocate(1, [1, 2, 3])
+    mgr.allocate(2, [4, 5, 6])
+    before = mgr.stats(0)
+    with pytest.raises(OutOfBlocks, match="state slots"):
+        mgr.allocate(3, [7, 8, 9])
+    with pytest.raises(OutOfBlocks, match="state slots"):
+        mgr.fork(1, 4)
+    assert 3 not in mgr and 4 not in mgr
+    assert mgr.stats(0).num_held == before.num_held
+    mgr.check()
+
+
+def test_state_refusals_name_the_call() -> None:
+    mgr = HybridManager(64, 4, [Attention.full()], num_cpu_blocks=8, state=StateConfig(4))
+    mgr.allocate(1, [1, 2, 3, 4, 5])
+    for call, args in [("swap_out", ([1],)), ("rollback", ([1], [1]))]:
+        with pytest.raises(ValueError, match=call):
+            getattr(mgr, call)(*args)
+    with pytest.raises(ValueError, match="no state group"):
+        HybridManager(64, 4, [Attention.full()]).state_stats()
+    assert mgr.num_tokens(1) == 5
+    mgr.check()
