@@ -18,15 +18,23 @@ Triton by default) it measures:
 7. a persistent batch of a real `BlockManager` (256 sequences, 4K contexts, decode steps):
    attention planned with the CSR built on the device from the batch's table
    (`plan(batch, table=...)`) must equal the host CSR's exactly, with the host time of both;
-8. KV layouts and dtypes (`LAYOUTS`: HND, float8 e4m3/e5m2 with scales, MLA 512 + 64 in
+8. windows, chunks and sinks (`window_cases`): sliding-window and chunked-local attention, with
+   and without attention sinks, and sinks alone, for decode, prefill and mixed steps, against
+   the reference as in 2 (a case a backend cannot run is listed with the reason);
+9. windowed decode at long context (batch 32, contexts 16K and 64K, window 4K): the plan a
+   windowed manager makes (the window's pages only) must equal the window over the whole
+   table, then its KV-read bandwidth and its speed-up over full attention at the same context,
+   measured in the same run (the window reads about context / window times less KV);
+10. KV layouts and dtypes (`LAYOUTS`: HND, float8 e4m3/e5m2 with scales, MLA 512 + 64 in
    bfloat16 and e4m3): decode and mixed steps against the torch reference on the same cache,
    and decode bandwidth at batch 64, context 4K (bytes the layout stores per token). A
    combination a backend cannot run is listed with the reason, not failed.
 
 Everything lands in one table; the exit status is 0 only when every check passes. Run:
-``python benches/gpu_check.py`` (``--quick`` skips the 16K contexts and shortens loops;
-``--backends triton`` picks backends). Plans come from `plan_from_tables` on random tables, in
-the exact layout `BlockManager.plan` returns, so the check needs no manager state.
+``python benches/gpu_check.py`` (``--quick`` skips the 16K decode and 64K window contexts and
+shortens loops; ``--backends triton`` picks backends). Plans come from `plan_from_tables` on
+random tables, in the exact layout `BlockManager.plan` returns, so the check needs no manager
+state.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from pagedkv import Batch, BlockManager
+from pagedkv import Attention, Batch, BlockManager
 from pagedkv.attention import (
     DeviceBlockTable,
     PagedAttention,
@@ -56,6 +64,8 @@ from pagedkv.kv_cache import KVCache
 
 HQ, HKV, DIM, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+DEVICE = "cuda"  # tests run parts of the check on the CPU
+WINDOW, CHUNK = 512, 1024  # the correctness cases' window and chunk, in tokens
 REL_ERR_BOUND = 1e-2
 BACKENDS = ("flashinfer", "triton")
 
@@ -81,14 +91,20 @@ def record(check: str, backend: str, case: str, value: str, ok: bool | None) -> 
 
 
 def make_plan(
-    kv_lens: list[int], q_lens: list[int], bs: int, num_blocks: int, seed: int
+    kv_lens: list[int],
+    q_lens: list[int],
+    bs: int,
+    num_blocks: int,
+    seed: int,
+    attention: Attention | None = None,
 ) -> TablePlan:
     """Sequences on distinct, randomly chosen blocks of a `num_blocks` pool."""
-    return plan_from_tables(random_tables(kv_lens, bs, num_blocks, seed), kv_lens, q_lens, bs)
+    tables = random_tables(kv_lens, bs, num_blocks, seed)
+    return plan_from_tables(tables, kv_lens, q_lens, bs, attention or Attention.full())
 
 
 def random_cache(num_blocks: int, bs: int, hkv: int) -> KVCache:
-    cache = KVCache(1, num_blocks, bs, hkv, DIM, dtype=DTYPE, device="cuda")
+    cache = KVCache(1, num_blocks, bs, hkv, DIM, dtype=DTYPE, device=DEVICE)
     cache.layer(0).normal_()
     return cache
 
@@ -100,7 +116,7 @@ def attention(backend: str, group: int = HQ // HKV, bs: int = BS, **kw: object) 
         DIM,
         bs,
         backend,
-        device="cuda",
+        device=DEVICE,
         dtype=DTYPE,
         **kw,  # type: ignore[arg-type]
     )
@@ -115,6 +131,24 @@ class Case:
     bs: int = BS
     cap: float | None = None
     sm_scale: float | None = None
+    attention: Attention | None = None
+    sinks: bool = False
+
+    def build(self, backend: str) -> PagedAttention:
+        """This case's attention on `backend`."""
+        return attention(
+            backend,
+            self.group,
+            self.bs,
+            logits_soft_cap=self.cap,
+            sm_scale=self.sm_scale,
+            attention=self.attention,
+            sinks=self.sinks,
+        )
+
+    def unfit(self, backend: str) -> str | None:
+        """Why `backend` cannot run this case (None when it looks able to)."""
+        return unfit_reason(backend, self.build("torch").spec)
 
 
 def correctness_cases(rng: np.random.Generator) -> list[Case]:
@@ -146,31 +180,90 @@ def correctness_cases(rng: np.random.Generator) -> list[Case]:
     return cases
 
 
+def window_cases(
+    rng: np.random.Generator, n: int = 16, hi: int = 3000, window: int = WINDOW, chunk: int = CHUNK
+) -> list[Case]:
+    """Sliding window, chunked-local, each with and without sinks, and sinks alone: a decode,
+    a prefill and a mixed step each (`n` sequences of up to `hi` tokens; prefills shorter)."""
+    decode_kv = [int(x) for x in rng.integers(1, hi, n)]
+    prefill = [int(x) for x in rng.integers(1, max(hi // 4, 2), max(n // 4, 2))]
+    mixed_kv = [int(x) for x in rng.integers(1, hi, n)]
+    mixed_q = [1 if i % 3 else int(rng.integers(1, k + 1)) for i, k in enumerate(mixed_kv)]
+    kinds = [
+        ("window", Attention.sliding_window(window), False),
+        ("chunked", Attention.chunked_local(chunk), False),
+        ("window+sinks", Attention.sliding_window(window), True),
+        ("chunked+sinks", Attention.chunked_local(chunk), True),
+        ("sinks", None, True),
+    ]
+    return [
+        Case(f"{name} {step}", kv, q, attention=what, sinks=sinks)
+        for name, what, sinks in kinds
+        for step, kv, q in (
+            ("decode", decode_kv, [1] * n),
+            ("prefill", prefill, prefill),
+            ("mixed", mixed_kv, mixed_q),
+        )
+    ]
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 def prebuild_flashinfer_modules() -> None:
-    """JIT-compile FlashInfer's two attention modules the check uses (without and with soft cap)
-    at the same time rather than one after the other, each with its own parallel ninja.
+    """JIT-compile FlashInfer's attention modules the check uses (plain, soft cap, sliding
+    window; attention sinks with and without a window) at the same time rather than one after
+    the other, each with its own parallel ninja.
 
     Best effort: `_gen_batch_prefill_primary_module` is what FlashInfer 0.7's FA2 wrappers
-    build (decode with tensor cores included) for a cache whose K and V strides are equal; on
-    any error, or another version, the first `plan` builds whatever it needs.
+    build (decode with tensor cores included) for a cache whose K and V strides are equal, and
+    the attention-sink wrapper builds its module when constructed; on any error, or another
+    version, the first `plan` builds whatever it needs.
     """
     try:
+        import flashinfer
         from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
 
-        specs = [
+        builds: list[Callable[[], object]] = [
             _gen_batch_prefill_primary_module(
-                "fa2", DTYPE, DTYPE, DTYPE, torch.int32, DIM, DIM, 0, False, cap, False
-            )
-            for cap in (False, True)
+                "fa2", DTYPE, DTYPE, DTYPE, torch.int32, DIM, DIM, 0, window, cap, False
+            ).build_and_load
+            for window, cap in ((False, False), (False, True), (True, False))
         ]
-        with ThreadPoolExecutor(len(specs)) as pool:
-            list(pool.map(lambda spec: spec.build_and_load(), specs))
+        workspace = torch.zeros(1 << 20, dtype=torch.uint8, device=DEVICE)
+        builds += [
+            partial(
+                flashinfer.BatchAttentionWithAttentionSinkWrapper,
+                workspace,
+                "NHD",
+                backend="fa2",
+                q_data_type=DTYPE,
+                kv_data_type=DTYPE,
+                head_dim_qk=DIM,
+                head_dim_vo=DIM,
+                window_left=window_left,
+            )
+            for window_left in (-1, 0)
+        ]
+        with ThreadPoolExecutor(len(builds)) as pool:
+            list(pool.map(lambda build: build(), builds))
     except Exception as exc:
         print(f"prebuilding FlashInfer's modules skipped ({exc!r}); plan() builds them", flush=True)
+
+
+def all_cases(seed: int) -> list[Case]:
+    """The correctness cases of 2 and 8."""
+    return correctness_cases(np.random.default_rng(seed)) + window_cases(
+        np.random.default_rng(seed + 1)
+    )
+
+
+def sink_logits(case: Case) -> torch.Tensor | None:
+    """Random per-head sink logits for a case with sinks (a model's are of this size)."""
+    if not case.sinks:
+        return None
+    return torch.randn(HKV * case.group, device=DEVICE, dtype=torch.float32) * 2
 
 
 def warm_up(backend: str, seed: int) -> None:
@@ -178,35 +271,45 @@ def warm_up(backend: str, seed: int) -> None:
     t0 = time.perf_counter()
     if backend == "flashinfer":
         prebuild_flashinfer_modules()
-    variants = {(c.bs, c.group, c.cap) for c in correctness_cases(np.random.default_rng(seed))}
-    for bs, group, cap in sorted(variants, key=str):
-        cache = random_cache(64, bs, HKV)
-        attn = attention(backend, group, bs, logits_soft_cap=cap)
+    variants = {
+        (c.bs, c.group, c.cap, c.attention, c.sinks): c
+        for c in all_cases(seed)
+        if not c.unfit(backend)
+    }
+    for case in variants.values():
+        cache = random_cache(64, case.bs, HKV)
+        attn = case.build(backend)
         for q_lens in ([1, 1], [5, 1]):  # a decode and a prefill step
-            attn.plan(make_plan([40, 9], q_lens, bs, 64, seed=0))
-            q = torch.randn(sum(q_lens), HKV * group, DIM, device="cuda", dtype=DTYPE)
-            attn.run(q, cache, 0)
-    torch.cuda.synchronize()
+            attn.plan(make_plan([40, 9], q_lens, case.bs, 64, 0, case.attention))
+            q = torch.randn(sum(q_lens), HKV * case.group, DIM, device=DEVICE, dtype=DTYPE)
+            attn.run(q, cache, 0, sinks=sink_logits(case))
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     print(f"compile/load time {backend}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def check_correctness(backend: str, seed: int) -> None:
-    for case in correctness_cases(np.random.default_rng(seed)):
+def check_correctness(backend: str, seed: int, cases: list[Case]) -> None:
+    """Each case on `backend` and on the reference, same plan, cache, queries and sinks; a case
+    the backend cannot run is listed with the reason."""
+    for case in cases:
+        shape = f"B={len(case.kv_lens)} tok={sum(case.q_lens)} g={case.group} bs={case.bs}"
+        why = case.unfit(backend)
+        if why is not None:
+            record("correct", backend, f"{case.name} ({shape})", f"not run: {why}"[:160], None)
+            continue
         hq = HKV * case.group
         num_blocks = sum(math.ceil(k / case.bs) for k in case.kv_lens) + 64
         cache = random_cache(num_blocks, case.bs, HKV)
-        plan = make_plan(case.kv_lens, case.q_lens, case.bs, num_blocks, seed)
-        q = torch.randn(sum(case.q_lens), hq, DIM, device="cuda", dtype=DTYPE)
+        plan = make_plan(case.kv_lens, case.q_lens, case.bs, num_blocks, seed, case.attention)
+        q = torch.randn(sum(case.q_lens), hq, DIM, device=DEVICE, dtype=DTYPE)
+        sinks = sink_logits(case)
         outs = {}
         for name in (backend, "torch"):
-            attn = attention(
-                name, case.group, case.bs, logits_soft_cap=case.cap, sm_scale=case.sm_scale
-            )
+            attn = case.build(name)
             attn.plan(plan)
-            outs[name] = attn.run(q, cache, 0)
+            outs[name] = attn.run(q, cache, 0, sinks=sinks)
         finite = bool(torch.isfinite(outs[backend]).all())
         rel = rel_error(outs[backend], outs["torch"])
-        shape = f"B={len(case.kv_lens)} tok={sum(case.q_lens)} g={case.group} bs={case.bs}"
         value = f"rel_l2 {rel:.1e}" + ("" if finite else " NON-FINITE")
         record("correct", backend, f"{case.name} ({shape})", value, finite and rel <= REL_ERR_BOUND)
         del cache
@@ -324,6 +427,62 @@ def bench_decode(backend: str, quick: bool, copy_bw: float) -> None:
             record("decode bw", backend, case, speed, None)
             us = plan_host_seconds(attn, plan) * 1e6
             record("plan host", backend, f"decode {case}", f"{us:.0f} us", None)
+
+
+def window_plans(
+    batch: int, context: int, window: int, bs: int, num_blocks: int, seed: int
+) -> tuple[TablePlan, TablePlan, TablePlan]:
+    """Decode plans at `context` on the same blocks: full attention over the whole table, the
+    window over the whole table, and the window as a windowed manager plans it (the table from
+    the block holding the window's first key, lengths counted from there)."""
+    tables = random_tables([context] * batch, bs, num_blocks, seed)
+    first = max(context - window, 0) // bs
+    live = context - first * bs
+    sliding = Attention.sliding_window(window)
+    ones = [1] * batch
+    return (
+        plan_from_tables(tables, [context] * batch, ones, bs),
+        plan_from_tables(tables, [context] * batch, ones, bs, sliding),
+        plan_from_tables([t[first:] for t in tables], [live] * batch, ones, bs, sliding),
+    )
+
+
+def bench_window_decode(
+    backend: str, quick: bool, copy_bw: float, batch: int = 32, window: int = 4096
+) -> None:
+    """A windowed decode at long context reads the window's pages only: check its output
+    against the window over the whole table, then time it against full attention."""
+    contexts = [16384] if quick else [16384, 65536]
+    calls = 20 if quick else 50
+    num_blocks = batch * max(contexts) // BS
+    cache = random_cache(num_blocks, BS, HKV)
+    full, windowed = attention(backend), attention(backend)
+    for ctx in contexts:
+        whole, masked, live = window_plans(batch, ctx, window, BS, num_blocks, seed=ctx)
+        q = torch.randn(batch, HQ, DIM, device=DEVICE, dtype=DTYPE)
+        windowed.plan(masked)
+        want = windowed.run(q, cache, 0)
+        windowed.plan(live)
+        rel = rel_error(windowed.run(q, cache, 0), want)
+        case = f"batch {batch} ctx {ctx // 1024}K window {window // 1024}K"
+        record(
+            "window bw",
+            backend,
+            f"{case}: window pages = whole table",
+            f"rel_l2 {rel:.1e}",
+            rel <= REL_ERR_BOUND,
+        )
+        t_window = loop_seconds(lambda q=q: windowed.run(q, cache, 0), calls)
+        full.plan(whole)
+        t_full = loop_seconds(lambda q=q: full.run(q, cache, 0), calls)
+        live_tokens = int(live.kv_indptr[1] - 1) * BS + int(live.kv_last_page_len[0])
+        bw = batch * live_tokens * cache.bytes_per_token / t_window
+        speed = (
+            f"{t_window * 1e6:.0f} us, {bw / 1e9:.0f} GB/s = {bw / copy_bw:.2f} x copy; "
+            f"full {t_full * 1e6:.0f} us: {t_full / t_window:.1f}x faster "
+            f"({ctx / live_tokens:.1f}x less KV read)"
+        )
+        record("window bw", backend, case, speed, None)
 
 
 def plan_host_seconds(attn: PagedAttention, plan: TablePlan, reps: int = 30) -> float:
@@ -531,12 +690,13 @@ def main() -> int:
             usable.append(backend)
     for backend in usable:
         steps: list[tuple[str, Callable[[], None]]] = [
-            ("correct", partial(check_correctness, backend, args.seed)),
+            ("correct", partial(check_correctness, backend, args.seed, all_cases(args.seed))),
             ("plan no-sync", partial(check_no_sync_in_plan, backend)),
             ("cuda graph", partial(check_cuda_graphs, backend)),
             ("plan host", partial(bench_mixed_plan, backend)),
             ("persistent", partial(check_persistent_batch, backend)),
             ("decode bw", partial(bench_decode, backend, args.quick, copy_bw)),
+            ("window bw", partial(bench_window_decode, backend, args.quick, copy_bw)),
             ("layouts", partial(check_layouts, backend, args.seed, copy_bw)),
         ]
         for name, step in steps:

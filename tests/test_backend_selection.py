@@ -53,7 +53,7 @@ def test_unfit_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert select.unfit_reason("flashinfer", spec(head_dim=96)) is None
 
 
-def test_flashinfer_is_unfit_for_chunks_and_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flashinfer_is_unfit_for_chunks_and_some_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     real_find = importlib.util.find_spec
 
@@ -61,15 +61,27 @@ def test_flashinfer_is_unfit_for_chunks_and_sinks(monkeypatch: pytest.MonkeyPatc
         return object() if name == "flashinfer" else real_find(name, *args)
 
     monkeypatch.setattr(importlib.util, "find_spec", find)
+    monkeypatch.setattr(select, "nvcc_available", lambda: True)
     window = replace(spec(), attention=Attention.sliding_window(4096))
     assert select.unfit_reason("flashinfer", window) is None
     chunk = replace(spec(), attention=Attention.chunked_local(8192))
     assert "chunked-local" in str(select.unfit_reason("flashinfer", chunk))
     sinks = replace(window, sinks=True)
-    assert "sinks" in str(select.unfit_reason("flashinfer", sinks))
+    assert select.unfit_reason("flashinfer", sinks) is None
+    capped = replace(sinks, logits_soft_cap=30.0)
+    assert "sinks: FlashInfer's attention-sink wrapper has no logits soft cap" in str(
+        select.unfit_reason("flashinfer", capped)
+    )
+    # FlashInfer's prebuilt attention-sink modules are for head_dim 64 (gpt-oss) alone.
+    monkeypatch.setattr(select, "nvcc_available", lambda: False)
+    assert "prebuilt attention-sink kernels for head_dim 128" in str(
+        select.unfit_reason("flashinfer", sinks)
+    )
+    gpt_oss = replace(sinks, head_dim=64, layout=KVLayout("NHD", 2, 64))
+    assert select.unfit_reason("flashinfer", gpt_oss) is None
     mla = replace(window, layout=KVLayout("MLA", 1, 512, 64), num_kv_heads=1, head_dim=512)
     assert "sliding window" in str(select.unfit_reason("flashinfer", mla))
-    for s in (chunk, sinks, mla):
+    for s in (chunk, sinks, capped, mla):
         assert select.unfit_reason("triton", s) is None
 
 

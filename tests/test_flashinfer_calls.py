@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,6 +26,7 @@ import pagedkv.attention._flashinfer as fi_backend
 from pagedkv import Attention, Batch, BlockManager
 from pagedkv.attention import DeviceBlockTable, PagedAttention, plan_from_tables
 from pagedkv.kv_cache import KVCache
+from pagedkv.kv_layout import KVLayout
 
 
 class Recorder:
@@ -52,6 +54,7 @@ def recorded(
     decode = type("BatchDecodeWithPagedKVCacheWrapper", (Recorder,), {"calls": calls})
     prefill = type("BatchPrefillWithPagedKVCacheWrapper", (Recorder,), {"calls": calls})
     mla = type("BatchMLAPagedAttentionWrapper", (Recorder,), {"calls": calls})
+    sink = type("BatchAttentionWithAttentionSinkWrapper", (Recorder,), {"calls": calls})
 
     def csr(*args: Any) -> tuple[Any, ...]:
         calls.append(("MLAPlanMetadata", "csr", args, {}))
@@ -61,6 +64,7 @@ def recorded(
         BatchDecodeWithPagedKVCacheWrapper=decode,
         BatchPrefillWithPagedKVCacheWrapper=prefill,
         BatchMLAPagedAttentionWrapper=mla,
+        BatchAttentionWithAttentionSinkWrapper=sink,
         mla=SimpleNamespace(MLAPlanMetadata=SimpleNamespace(csr=csr)),
     )
     monkeypatch.setattr(fi_backend, "import_flashinfer", lambda: fake)
@@ -88,12 +92,21 @@ def cache_for(attn: PagedAttention, scales: Any = None) -> KVCache:
     )
 
 
-def step(attn: PagedAttention, q_lens: list[int], cache: KVCache | None = None) -> None:
+SINKS = torch.linspace(-1.0, 1.0, 8, dtype=torch.bfloat16)
+FULL = Attention.full()
+
+
+def step(
+    attn: PagedAttention,
+    q_lens: list[int],
+    cache: KVCache | None = None,
+    what: Attention = FULL,
+) -> None:
     tables = [[3, 1, 4], [0, 5], [2]]
-    attn.plan(plan_from_tables(tables, [9, 6, 2], q_lens, 4))
+    attn.plan(plan_from_tables(tables, [9, 6, 2], q_lens, 4, what))
     rows = attn.graph_batch_size or sum(q_lens)
     q = torch.zeros(rows, 8, attn.spec.qk_dim)
-    attn.run(q, cache or cache_for(attn), 0)
+    attn.run(q, cache or cache_for(attn), 0, sinks=SINKS if attn.spec.sinks else None)
 
 
 def calls_named(calls: list[Any], cls: str, method: str) -> list[Any]:
@@ -112,6 +125,67 @@ def test_a_sliding_window_is_window_left(recorded: list[Any], q_lens: list[int])
     chunked = plan_from_tables(tables, [9, 6, 2], q_lens, 4, Attention.chunked_local(8))
     with pytest.raises(ValueError, match=r"plan\.attention.*chunked-local"):
         attn.plan(chunked)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 2]])
+def test_sinks_run_on_the_attention_sink_wrapper(recorded: list[Any], q_lens: list[int]) -> None:
+    # Decode and prefill steps alike, one wrapper per module (with and without a window).
+    attn = attention(sinks=True, sm_scale=0.3)
+    cls = "BatchAttentionWithAttentionSinkWrapper"
+    for what, window_left in ((FULL, -1), (Attention.sliding_window(6), 5)):
+        recorded.clear()
+        step(attn, q_lens, what=what)
+        assert {c[0] for c in recorded} == {cls}
+        ((_, _, init_args, init),) = calls_named(recorded, cls, "__init__")
+        assert init_args[1] == "NHD" and init["backend"] == "fa2"
+        assert init["window_left"] == (0 if window_left >= 0 else -1)
+        assert init["q_data_type"] == init["kv_data_type"] == torch.float32
+        assert init["head_dim_qk"] == init["head_dim_vo"] == 16
+        ((_, _, args, kwargs),) = calls_named(recorded, cls, "plan")
+        assert args[0].tolist() == [0, *np.cumsum(q_lens).tolist()]
+        assert args[1].tolist() == [0, 3, 5, 6] and args[2].tolist() == [3, 1, 4, 0, 5, 2]
+        assert args[3].tolist() == [1, 2, 2] and args[4:] == (8, 2, 16, 4)
+        assert kwargs["causal"] is True and kwargs["window_left"] == window_left
+        assert kwargs["non_blocking"] is True and kwargs["sm_scale"] == 0.3
+        ((_, _, run_args, run_kwargs),) = calls_named(recorded, cls, "run")
+        _, kv, sinks, sm_scale = run_args
+        assert kv.shape == (6, 2, 4, 2, 16) and run_kwargs == {}
+        assert sinks.dtype == torch.float32 and torch.equal(sinks, SINKS.float())
+        assert sm_scale == 0.3
+    recorded.clear()
+    step(attn, q_lens)  # the wrapper without a window is reused
+    assert not calls_named(recorded, cls, "__init__")
+
+
+def test_sink_graph_buckets_get_fixed_buffers(recorded: list[Any]) -> None:
+    attn = attention(sinks=True, cuda_graph_batch_sizes=(4,), cuda_graph_max_pages=32)
+    step(attn, [1, 1, 1])
+    assert attn.graph_batch_size == 4
+    graph_inits = [c for c in recorded if c[1] == "__init__" and c[3].get("use_cuda_graph")]
+    ((cls, _, _, kwargs),) = graph_inits
+    assert cls == "BatchAttentionWithAttentionSinkWrapper"
+    assert kwargs["qo_indptr_buf"].shape == kwargs["paged_kv_indptr_buf"].shape == (5,)
+    assert kwargs["paged_kv_indices_buf"].shape == (32,)
+    assert kwargs["paged_kv_last_page_len_buf"].shape == (4,)
+    ((_, _, args, _),) = [c for c in recorded if c[1] == "plan"]
+    assert args[0].tolist() == [0, 1, 2, 3, 4] and args[3].tolist() == [1, 2, 2, 1]
+
+
+def test_what_flashinfer_cannot_run_is_named() -> None:
+    # FlashInfer has no chunked-local mask, and its sink wrapper no soft cap, float8 or MLA.
+    base = PagedAttention(8, 2, 64, 16, dtype=torch.bfloat16).spec
+    cuda = replace(base, device=torch.device("cuda", 0))
+    chunks = replace(cuda, attention=Attention.chunked_local(8192))
+    with pytest.raises(ValueError, match=r"chunked_local\(8192\): .*no chunked-local"):
+        fi_backend.check_spec(chunks)
+    assert fi_backend.unsupported(replace(cuda, sinks=True)) is None
+    for change, why in (
+        ({"logits_soft_cap": 30.0}, "no logits soft cap"),
+        ({"kv_dtype": E4M3}, "no float8 KV scales"),
+        ({"layout": KVLayout("MLA", 1, 512, 64), "head_dim": 512}, "MLA takes no attention sinks"),
+    ):
+        with pytest.raises(ValueError, match=f"with attention sinks: .*{why}"):
+            fi_backend.check_spec(replace(cuda, sinks=True, **change))
 
 
 def test_one_workspace_of_the_configured_size(recorded: list[Any]) -> None:
@@ -293,6 +367,7 @@ for cls in (
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchMLAPagedAttentionWrapper",
+    "BatchAttentionWithAttentionSinkWrapper",
 ):
     c = getattr(flashinfer, cls)
     for m in ("__init__", "plan", "_plan_impl", "run"):
@@ -341,6 +416,8 @@ def test_argument_names_exist_in_flashinfer(
         {"layout": "HND", "kv_dtype": E4M3},
         {"layout": "MLA", "rope_dim": 64},
         {"layout": "MLA", "rope_dim": 64, "kv_dtype": E4M3},
+        {"sinks": True},
+        {"sinks": True, "layout": "HND"},
     ]
     for graph in (False, True):
         for layout in layouts:
@@ -351,6 +428,8 @@ def test_argument_names_exist_in_flashinfer(
             )
             step(attn, [1, 1, 1])
             step(attn, [3, 1, 2])
+            if layout.get("layout") != "MLA":
+                step(attn, [3, 1, 2], what=Attention.sliding_window(6))
     assert {(c[0], c[1]) for c in recorded} >= {
         ("BatchDecodeWithPagedKVCacheWrapper", "__init__"),
         ("BatchDecodeWithPagedKVCacheWrapper", "plan"),
@@ -360,6 +439,9 @@ def test_argument_names_exist_in_flashinfer(
         ("BatchMLAPagedAttentionWrapper", "plan"),
         ("BatchMLAPagedAttentionWrapper", "run"),
         ("MLAPlanMetadata", "csr"),
+        ("BatchAttentionWithAttentionSinkWrapper", "__init__"),
+        ("BatchAttentionWithAttentionSinkWrapper", "plan"),
+        ("BatchAttentionWithAttentionSinkWrapper", "run"),
     }
     for cls, method, args, kwargs in recorded:
         _bind(signatures[f"{cls}.{method}"], args, kwargs)

@@ -95,7 +95,9 @@ class Engine:
                 want.append(masked_dense(qs, k, v, mask, DIM**-0.5, None, self.sinks[layer]))
                 offset += q_len
             self.gpu.write(layer, torch.cat(new_k), torch.cat(new_v), slots)
-            out = self.attns[group].run(q, self.gpu.pool, slot, sinks=self.sinks[layer])
+            out = self.attns[group].run(
+                q, self.gpu.group_cache(group), slot, sinks=self.sinks[layer]
+            )
             assert_close(out, torch.cat(want), torch.float32)
         self.mgr.check()
 
@@ -171,3 +173,71 @@ def test_bad_input_names_the_argument() -> None:
         cache.swap_out(cache, [np.zeros((0, 2), np.int32), np.zeros(3, np.int32)] * 2)
     with pytest.raises(ValueError, match="groups"):
         GroupedKVCache(LAYERS, 16, BS, HKV, DIM)  # type: ignore[arg-type]
+
+
+def fp8_engine_step(scales: list[list[float]] | None) -> tuple[list[torch.Tensor], GroupedKVCache]:
+    """One prefill of every layer through a float8 pool with `scales`; each layer's K/V has
+    its own magnitude (layer `l`: about 100 * (l + 1)), out of e4m3's range (448) unscaled."""
+    groups = KVGroups.from_layers(LAYERS, layers_per_group=2)
+    fp8 = GroupedKVCache(groups, 16, BS, HKV, DIM, torch.float8_e4m3fn, scales=scales)
+    mgr = HybridManager(16, BS, groups.attention, watermark=0.0)
+    mgr.allocate(1, list(range(11)))
+    plans = mgr.plan([1], [11])
+    slots = fp8.slot_tensors(plans)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(11, HKV * GROUP, DIM, generator=gen)
+    outs = []
+    for layer in range(len(LAYERS)):
+        group, slot = fp8.locate(layer)
+        k, v = (torch.randn(11, HKV, DIM, generator=gen) * 100 * (layer + 1) for _ in range(2))
+        fp8.write(layer, k, v, slots)
+        attn = PagedAttention(
+            HKV * GROUP,
+            HKV,
+            DIM,
+            BS,
+            "torch",
+            dtype=torch.float32,
+            kv_dtype=torch.float8_e4m3fn,
+            attention=groups.attention[group],
+            sm_scale=1e-3 / (layer + 1),  # keeps the softmax soft at these magnitudes
+        )
+        attn.plan(plans[group])
+        out = attn.run(q, fp8.group_cache(group), slot)
+        n = torch.arange(11)
+        mask = allowed_keys(LAYERS[layer], n, 11)
+        want = masked_dense(q, k, v, mask, 1e-3 / (layer + 1), None, None)
+        outs.append((out - want).norm() / want.norm())
+    return outs, fp8
+
+
+def test_float8_pool_reads_and_writes_each_layer_with_its_scales() -> None:
+    # Layers sharing a slot (layers 0 and 1 sit in slot 0 of groups 1 and 0) get other scales.
+    scales = [[2.0 * (layer + 1), 3.0 * (layer + 1)] for layer in range(len(LAYERS))]
+    errors, cache = fp8_engine_step(scales)
+    assert max(errors) < 0.05, errors  # e4m3 keeps 3 mantissa bits
+    assert cache.scales(3) == (8.0, 12.0) and cache.group_cache(1).scales(1) == (8.0, 12.0)
+    assert cache.group_cache(2).scales(1) == (1.0, 1.0)  # group 2's padding slot
+    assert cache.pool.scales(0) == (1.0, 1.0)
+    # Without the scales, the larger layers saturate: the scales are what keeps them right.
+    unscaled, _ = fp8_engine_step(None)
+    assert max(unscaled) > 0.3, unscaled
+
+
+def test_float8_scales_are_checked_and_follow_swaps() -> None:
+    groups = KVGroups.from_layers(LAYERS, layers_per_group=2)
+    fp8 = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"scales must have shape \[num_layers, 2\] = \[7, 2\]"):
+        GroupedKVCache(groups, 16, BS, HKV, DIM, fp8, scales=[[1.0, 1.0]] * 2)
+    with pytest.raises(ValueError, match="positive and finite"):
+        GroupedKVCache(groups, 16, BS, HKV, DIM, fp8, scales=[[1.0, -1.0]] * 7)
+    with pytest.raises(ValueError, match="float8 caches only"):
+        GroupedKVCache(groups, 16, BS, HKV, DIM, torch.float32, scales=[[1.0, 1.0]] * 7)
+    with pytest.raises(ValueError, match="group: 4 out of range"):
+        GroupedKVCache(groups, 16, BS, HKV, DIM, fp8).group_cache(4)
+    gpu = GroupedKVCache(groups, 16, BS, HKV, DIM, fp8, scales=[[2.0, 2.0]] * 7)
+    other = GroupedKVCache(groups, 16, BS, HKV, DIM, fp8, scales=[[4.0, 2.0]] * 7)
+    with pytest.raises(ValueError, match="other scales"):
+        gpu.swap_out(other, [np.zeros((0, 2), np.int32)] * 4)
+    same = GroupedKVCache(groups, 16, BS, HKV, DIM, fp8, scales=[[2.0, 2.0]] * 7)
+    gpu.swap_out(same, [np.array([[1, 2]])] + [np.zeros((0, 2), np.int32)] * 3)

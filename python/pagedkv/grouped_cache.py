@@ -9,6 +9,10 @@ slot holds nothing). Each group's plan drives its own layers: `write` and `slot_
 the step's plans in group order, `copy_blocks` and the swaps take the per-group pairs the
 manager returns.
 
+A float8 pool takes one K and one V scale per model layer; layers that share a slot (in other
+groups' blocks) may differ, so each group reads and writes through `group_cache(g)`, the pool's
+tensors with the scales of `g`'s layers.
+
 >>> from pagedkv import Attention, HybridManager
 >>> from pagedkv.groups import KVGroups
 >>> groups = KVGroups.from_layers([Attention.sliding_window(8), Attention.full()] * 2)
@@ -23,6 +27,7 @@ manager returns.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +36,7 @@ import numpy.typing as npt
 import torch
 
 from pagedkv.groups import KVGroups
-from pagedkv.kv_cache import KVCache, SlotIndex, Slots, Transfer
+from pagedkv.kv_cache import KVCache, SlotIndex, Slots, Transfer, _check_scales
 from pagedkv.kv_layout import Layout
 
 
@@ -39,9 +44,9 @@ class GroupedKVCache:
     """The K/V of every group of `groups` in one pool of `num_blocks` pages, on one device.
 
     `num_blocks` and `block_size` are the `HybridManager`'s; the other arguments are
-    `KVCache`'s (a float8 pool reads with unit scales). `pool` is the `KVCache` that
-    `PagedAttention.run` reads: `attns[g].run(q, cache.pool, cache.slot_of(layer))` with `g`
-    the layer's group.
+    `KVCache`'s, but a float8 pool's `scales` are `[groups.num_layers, 2]`, one `(k, v)` per
+    model layer (ones by default). `pool` holds the bytes; `PagedAttention.run` reads a layer
+    through its group's cache: `attns[g].run(q, cache.group_cache(g), cache.slot_of(layer))`.
     """
 
     def __init__(
@@ -56,11 +61,14 @@ class GroupedKVCache:
         *,
         layout: Layout = "NHD",
         rope_dim: int = 0,
+        scales: npt.ArrayLike | None = None,
         pin_memory: bool = False,
     ) -> None:
         if not isinstance(groups, KVGroups):
             raise ValueError(f"groups must be a KVGroups, got {type(groups).__name__}")
         self.groups = groups
+        # Per model layer; the message names the model's layers, not the pool's.
+        self._scales = _check_scales(scales, groups.num_layers, dtype)
         self.pool = KVCache(
             groups.layers_per_group,
             num_blocks,
@@ -73,6 +81,19 @@ class GroupedKVCache:
             rope_dim=rope_dim,
             pin_memory=pin_memory,
         )
+        self._group_caches = tuple(self._cache_of(g) for g in range(groups.num_groups))
+
+    def _cache_of(self, group: int) -> KVCache:
+        """The pool with `group`'s scales per slot (a padding slot's are ones); the pool itself
+        when it has no scales."""
+        if not self._scales:
+            return self.pool
+        view = copy.copy(self.pool)  # shares the pool's layer tensors
+        slot_scales = [
+            self._scales[layer] if layer >= 0 else (1.0, 1.0) for layer in self.groups.layers[group]
+        ]
+        view._scales = _check_scales(slot_scales, self.pool.num_layers, self.pool.dtype)
+        return view
 
     @property
     def num_groups(self) -> int:
@@ -87,6 +108,19 @@ class GroupedKVCache:
     def slot_of(self, layer: int) -> int:
         """The pool layer holding model layer `layer` (in its group's blocks)."""
         return self.groups.slot_of(layer)
+
+    def group_cache(self, group: int) -> KVCache:
+        """Group `group`'s layers as a `KVCache` for `PagedAttention.run` (pool layer = slot):
+        the pool's tensors with that group's float8 scales."""
+        if not 0 <= group < self.num_groups:
+            raise ValueError(f"group: {group} out of range for {self.num_groups} groups")
+        return self._group_caches[group]
+
+    def scales(self, layer: int) -> tuple[float, float] | None:
+        """`(k_scale, v_scale)` of model layer `layer` (MLA: latent and rope), or None unless
+        float8."""
+        group, slot = self.locate(layer)
+        return self._group_caches[group].scales(slot)
 
     def layer(self, layer: int) -> torch.Tensor:
         """The pool tensor of model layer `layer` (shared with the other groups' layers in the
@@ -107,7 +141,7 @@ class GroupedKVCache:
         """Store model layer `layer`'s new `k` and `v` at the slots of its group's plan;
         `plans` holds one plan (or `slot_tensors` entry) per group, in group order."""
         group, slot = self.locate(layer)
-        self.pool.write(slot, k, v, self._per_group("plans", plans)[group])
+        self._group_caches[group].write(slot, k, v, self._per_group("plans", plans)[group])
 
     def write_latent(
         self,
@@ -118,7 +152,8 @@ class GroupedKVCache:
     ) -> None:
         """`write` for an MLA pool (see `KVCache.write_latent`)."""
         group, slot = self.locate(layer)
-        self.pool.write_latent(slot, latent, rope, self._per_group("plans", plans)[group])
+        cache = self._group_caches[group]
+        cache.write_latent(slot, latent, rope, self._per_group("plans", plans)[group])
 
     def copy_blocks(self, pairs: Sequence[npt.NDArray[Any]]) -> None:
         """Apply each group's copy-on-write pairs (`[plan.copies for plan in plans]`)."""
@@ -167,4 +202,6 @@ class GroupedKVCache:
     def _peer(self, cpu_cache: GroupedKVCache) -> KVCache:
         if not isinstance(cpu_cache, GroupedKVCache) or cpu_cache.groups != self.groups:
             raise ValueError("cpu_cache must be a GroupedKVCache of the same groups")
+        if cpu_cache._scales != self._scales:
+            raise ValueError(f"cpu_cache has other scales: {cpu_cache._scales} vs {self._scales}")
         return cpu_cache.pool

@@ -11,8 +11,14 @@ The cache's layout is FlashInfer's `kv_layout` (NHD or HND); an MLA cache is pla
 `BatchMLAPagedAttentionWrapper` (packed query and latent rows, CSR metadata) for decode and
 prefill alike. Float8 caches pass their layer's scales to `run` (`k_scale` / `v_scale`, or the
 MLA wrapper's `ckv_scale` / `kpe_scale`). A sliding window is the wrappers' `window_left`
-(`window - 1`, keys relative to the plan's first page like the other backends' masks); these
-wrappers have no chunked-local attention and no attention sinks, and the MLA wrapper no window.
+(`window - 1`, keys relative to the plan's first page like the other backends' masks); FlashInfer
+has no chunked-local mask, and its MLA wrapper no window.
+
+Attention sinks run on `BatchAttentionWithAttentionSinkWrapper`, FlashInfer's paged prefill
+wrapper built with its attention-sink variant (a JIT module per dtype, head_dim and whether a
+window is used), for decode and prefill steps alike: `run` takes the `[num_qo_heads]` float32
+sink logits and `sm_scale` after the cache. The variant has no logits soft cap and applies no K
+scale, so sinks run on float16/bfloat16 KV without a soft cap only.
 
 All wrappers run FlashInfer's FA2 kernels (`backend="fa2"`): the tensor-core decode and the
 prefill then share one compiled module per dtype, head_dim and soft-cap setting, so a machine
@@ -44,6 +50,8 @@ DEFAULT_WORKSPACE_BYTES = 384 * 1024 * 1024
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 # head_dims FlashInfer ships prebuilt kernels for; any other one is compiled with nvcc.
 PREBUILT_HEAD_DIMS = (64, 128, 256)
+# Its prebuilt attention-sink modules are gpt-oss's alone.
+PREBUILT_SINK_HEAD_DIMS = (64,)
 KERNELS = "fa2"
 # The one float8 MLA FlashInfer runs: (KV dtype, query dtype, latent width, rope width).
 MLA_FP8 = (torch.float8_e4m3fn, torch.bfloat16, 512, 64)
@@ -72,8 +80,6 @@ def unsupported_attention(attention: Attention, mla: bool) -> str | None:
 def unsupported(spec: AttentionSpec) -> str | None:
     """Why FlashInfer has no kernel for `spec`'s layout, dtypes, attention and sinks (None when
     it has one)."""
-    if spec.sinks:
-        return "FlashInfer's paged wrappers take no attention sinks"
     if spec.attention is not None:
         why = unsupported_attention(spec.attention, spec.layout.is_mla)
         if why is not None:
@@ -82,6 +88,13 @@ def unsupported(spec: AttentionSpec) -> str | None:
         return "FlashInfer takes float16 and bfloat16 queries"
     if spec.kv_dtype != spec.dtype and not spec.kv_fp8:
         return "FlashInfer reads KV of the query dtype, or float8"
+    if spec.sinks:
+        if spec.layout.is_mla:
+            return "FlashInfer's MLA takes no attention sinks"
+        if spec.kv_fp8:
+            return "FlashInfer's attention-sink wrapper has no float8 KV scales"
+        if spec.logits_soft_cap is not None:
+            return "FlashInfer's attention-sink wrapper has no logits soft cap"
     layout = spec.layout
     if not layout.is_mla:
         return None
@@ -121,11 +134,13 @@ class FlashInferBackend:
         self._spec = spec
         self._mla = spec.layout.is_mla
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=spec.device)
+        # Sink wrappers by (windowed, graph batch size or None), built at their first plan.
+        self._sink_wrappers: dict[tuple[bool, int | None], Any] = {}
         if self._mla:
             self._eager: Any = self._fi.BatchMLAPagedAttentionWrapper(
                 self._workspace, backend=KERNELS
             )
-        else:
+        elif not spec.sinks:
             layout = spec.layout.name
             self._decode: Any = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, layout, use_tensor_cores=True, backend=KERNELS
@@ -171,6 +186,40 @@ class FlashInferBackend:
             self._graph_decode[batch] = wrapper
         return wrapper
 
+    def _sink_wrapper(self, windowed: bool, graph_batch: int | None) -> Any:
+        """The attention-sink wrapper with or without a window, with fixed buffers for padded
+        batch size `graph_batch` (None: eager)."""
+        key = (windowed, graph_batch)
+        wrapper = self._sink_wrappers.get(key)
+        if wrapper is None:
+            spec = self._spec
+            graph: dict[str, Any] = {}
+            if graph_batch is not None:
+
+                def buf(n: int) -> torch.Tensor:
+                    return torch.zeros(n, dtype=torch.int32, device=spec.device)
+
+                graph = {
+                    "use_cuda_graph": True,
+                    "qo_indptr_buf": buf(graph_batch + 1),
+                    "paged_kv_indptr_buf": buf(graph_batch + 1),
+                    "paged_kv_indices_buf": buf(self._graph_max_pages),
+                    "paged_kv_last_page_len_buf": buf(graph_batch),
+                }
+            wrapper = self._fi.BatchAttentionWithAttentionSinkWrapper(
+                self._workspace,
+                spec.layout.name,
+                backend=KERNELS,
+                q_data_type=spec.dtype,
+                kv_data_type=spec.kv_dtype,
+                head_dim_qk=spec.head_dim,
+                head_dim_vo=spec.head_dim,
+                window_left=0 if windowed else -1,  # selects the module; plan sets the window
+                **graph,
+            )
+            self._sink_wrappers[key] = wrapper
+        return wrapper
+
     def plan(self, step: StepPlan, graph: bool) -> None:
         """Plan the decode, prefill or MLA wrapper for this step (see the module docstring).
 
@@ -205,7 +254,7 @@ class FlashInferBackend:
                 kv_data_type=spec.kv_dtype,
                 **fp8,
             )
-        elif step.is_decode:
+        elif step.is_decode and not spec.sinks:
             indptr, last, *indices_host = self._staging.stage(
                 (step.kv_indptr, step.kv_last_page_len, *host_pages)
             )
@@ -228,7 +277,11 @@ class FlashInferBackend:
             )
             uploaded = self._staging.upload((qo, indptr, last, *indices_host))
             indices = uploaded[3] if pages is None else pages
-            wrapper = self._prefill
+            if spec.sinks:
+                windowed = step.attention.window_left >= 0
+                wrapper = self._sink_wrapper(windowed, step.batch_size if graph else None)
+            else:
+                wrapper = self._prefill
             wrapper.plan(
                 qo,
                 indptr,
@@ -267,10 +320,13 @@ class FlashInferBackend:
         """Run the planned wrapper on one layer's cache tensor, with its float8 scales."""
         if self._active is None:
             raise RuntimeError("plan() must be called before run()")
-        if sinks is not None:  # PagedAttention never builds this backend with sinks
-            raise ValueError("backend='flashinfer' takes no sinks")
         out: torch.Tensor
-        if self._mla:
+        if self._spec.sinks:
+            if sinks is None:  # PagedAttention checks `sinks` against the spec
+                raise ValueError("sinks: this backend was built with sinks=True; pass them")
+            # The variant's extra tensor and scalar, after the cache: float32 sinks, sm_scale.
+            out = self._active.run(q, kv, sinks.float(), self._spec.sm_scale)
+        elif self._mla:
             fp8 = {} if scales is None else {"ckv_scale": scales[0], "kpe_scale": scales[1]}
             out = self._active.run(query=q, kv_cache=kv, **fp8)
         else:

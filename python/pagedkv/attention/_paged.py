@@ -51,12 +51,13 @@ class PagedAttention:
     the attention its plans carry: `auto` then picks a backend that runs it and `plan` refuses
     a plan of another attention (with None every plan's attention is taken as it comes, and a
     backend without it raises `ValueError`). FlashInfer runs sliding windows (`window_left`)
-    but no chunked-local attention.
+    but has no chunked-local mask: `auto` skips it for chunks, and a plan of chunks raises.
 
     Attention sinks (gpt-oss): with `sinks=True`, `run` takes `sinks`, a `[num_qo_heads]` float
     tensor of the layer's learned logits; each query head's softmax gets its sink as one more
     logit, in its denominator only (it is not scaled or capped and has no value), so the
-    weights on the keys sum to less than one. FlashInfer is skipped (`auto`) or refused.
+    weights on the keys sum to less than one. FlashInfer runs them on float16/bfloat16 KV
+    without a soft cap (its attention-sink wrapper); `auto` skips it otherwise.
 
     `backend="flashinfer"` runs FlashInfer (CUDA, float16/bfloat16), `"triton"` this package's
     Triton kernel (CUDA, float16/bfloat16/float32), `"torch"` the vectorised reference (any

@@ -32,10 +32,12 @@ def unfit_reason(backend: str, spec: AttentionSpec) -> str | None:
         return f"{backend} cannot run the {spec.describe()}: {why}"
     if importlib.util.find_spec(backend) is None:
         return f"{backend} is not installed"
-    prebuilt = spec.layout.is_mla or spec.head_dim in _flashinfer.PREBUILT_HEAD_DIMS
+    dims = _flashinfer.PREBUILT_SINK_HEAD_DIMS if spec.sinks else _flashinfer.PREBUILT_HEAD_DIMS
+    prebuilt = spec.layout.is_mla or spec.head_dim in dims
     if backend == "flashinfer" and not prebuilt and not nvcc_available():
+        kernels = "attention-sink kernels" if spec.sinks else "kernels"
         return (
-            f"flashinfer has no prebuilt kernels for head_dim {spec.head_dim} and nvcc, "
+            f"flashinfer has no prebuilt {kernels} for head_dim {spec.head_dim} and nvcc, "
             "which would compile them, is not installed"
         )
     return None

@@ -53,7 +53,10 @@ class AttentionSpec:
         return self.kv_dtype in FP8_DTYPES
 
     def describe(self) -> str:
-        """The layout and dtypes in words, as errors and `backend_reason` name them."""
+        """The layout, dtypes, attention and sinks in words, as errors and `backend_reason`
+        name them."""
         kv = str(self.kv_dtype).removeprefix("torch.")
         q = str(self.dtype).removeprefix("torch.")
-        return f"{self.layout.name} layout with {kv} KV and {q} queries"
+        what = "" if self.attention is None else f", {self.attention!r}"
+        sinks = ", with attention sinks" if self.sinks else ""
+        return f"{self.layout.name} layout with {kv} KV and {q} queries{what}{sinks}"
