@@ -3,6 +3,9 @@
 Llama-style models keep per-head K and V (`PagedLlama`); DeepSeek-V3-style models keep MLA's
 compressed latent and its rope part, one row per token, and attend in absorbed form
 (`PagedDeepseek`). `kv_dtype=torch.float8_e4m3fn` (with `kv_scales`) stores either in float8.
+Hybrid models (Gemma 3, gpt-oss, Llama 4: sliding-window or chunked layers beside full ones) run
+on a `HybridManager`, one block table per KV-cache group, over a `GroupedKVCache`
+(`hybrid_models.py`); windowed groups release the blocks their queries no longer read.
 
 `generate(model, requests)` runs greedy decoding for many requests at once. Each step one batch
 holds whatever is ready: new prompts (prefill, in chunks if asked), prompts that hit the prefix
@@ -27,7 +30,8 @@ next proposal recomputes (mostly from the draft's prefix cache).
 
 Run it: ``python examples/continuous_batching.py`` (a small random Llama, no download;
 ``--model deepseek`` a small random DeepSeek-V3 on an MLA cache, ``--kv-dtype fp8`` a float8
-cache); ``--redis redis://127.0.0.1:6379/0`` shares prefixes through a Redis server;
+cache; ``--model gemma3``, ``gpt-oss`` or ``llama4`` a small random hybrid model);
+``--redis redis://127.0.0.1:6379/0`` shares prefixes through a Redis server;
 ``--speculate 3 --drafter ngram`` (or ``model``: the target's first layer) decodes
 speculatively and prints the acceptance rate.
 """
@@ -36,16 +40,29 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+from hybrid_models import HybridModel, PagedHybrid, paged_hybrid
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
-from pagedkv import BlockManager, OutOfBlocks, Plan
+from pagedkv import BlockManager, HybridManager, OutOfBlocks, Plan
 from pagedkv.attention import BackendName, PagedAttention
+from pagedkv.grouped_cache import GroupedKVCache
 from pagedkv.kv_cache import KVCache
 from pagedkv.kv_layout import Layout
 from pagedkv.tier import KVTier, Store, TierStats
@@ -70,6 +87,7 @@ class GenerationResult:
     prefix_hit_tokens: int = 0
     copied_blocks: int = 0
     swapped_out_blocks: int = 0
+    window_released_blocks: int = 0  # hybrid models: blocks that left a window or chunk
     mixed_steps: int = 0
     max_batch_size: int = 0
     tier: TierStats | None = None  # what the external KV tier did, when one was used
@@ -93,6 +111,7 @@ class _Sequence:
     computed: int = 0  # tokens whose K/V is in the cache (and that the manager holds)
     next_token: int | None = None  # sampled, appended at the next step
     generated: list[int] = field(default_factory=list)
+    swapped_blocks: int = 0  # GPU blocks it held (all groups) when last swapped out
 
     @property
     def prefilling(self) -> bool:
@@ -101,6 +120,10 @@ class _Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
+
+
+UniformModel = LlamaForCausalLM | DeepseekV3ForCausalLM  # every layer attends to every token
+Model = UniformModel | HybridModel
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -231,17 +254,22 @@ def _cache_shape(model: torch.nn.Module) -> _CacheShape:
 
 
 def _paged_runner(
-    model: LlamaForCausalLM | DeepseekV3ForCausalLM,
+    model: Model,
     num_blocks: int,
     block_size: int,
     backend: BackendName,
     device: torch.device,
     kv_dtype: torch.dtype | None = None,
     kv_scales: Sequence[tuple[float, float]] | None = None,
-) -> PagedLlama | PagedDeepseek:
-    """`model` on a paged cache of `num_blocks` blocks on `device` (`runner.cache`)."""
+) -> Runner:
+    """`model` on a paged cache of `num_blocks` blocks on `device` (`runner.cache`); a hybrid
+    model on a `GroupedKVCache`, in its own dtype."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
+    if isinstance(model, HybridModel):
+        if kv_dtype not in (None, dtype) or kv_scales is not None:
+            raise ValueError("a hybrid model keeps its KV in the model's dtype")
+        return paged_hybrid(model, num_blocks, block_size, backend, device)
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     shape = _cache_shape(model)
     heads, dim = shape.num_kv_heads, shape.head_dim
@@ -275,18 +303,27 @@ def _paged_runner(
     return PagedLlama(model, cache, attn)  # type: ignore[arg-type]
 
 
+Runner = PagedLlama | PagedDeepseek | PagedHybrid
+
+
 def _forward(
-    runner: PagedLlama | PagedDeepseek,
-    plan: Plan,
+    runner: Runner,
+    plan: Plan | list[Plan],
     tokens: list[int],
     rows: list[int],
     device: torch.device,
 ) -> list[int]:
-    """The greedy next token at each packed row in `rows` of a step over `tokens`."""
-    runner.cache.copy_blocks(plan.copies)  # this plan's copy-on-write pairs, before new K/V
+    """The greedy next token at each packed row in `rows` of a step over `tokens` (`plan`: one
+    per KV-cache group for a hybrid model)."""
+    # This plan's copy-on-write pairs (each group's), before new K/V.
+    if isinstance(plan, list):
+        runner.cache.copy_blocks([p.copies for p in plan])  # type: ignore[arg-type]
+    else:
+        runner.cache.copy_blocks(plan.copies)  # type: ignore[arg-type]
     input_ids = torch.tensor(tokens, device=device)
     last_rows = torch.tensor(rows, device=device, dtype=torch.int64)
-    greedy: list[int] = runner.forward(input_ids, plan, last_rows).argmax(dim=-1).tolist()
+    logits = runner.forward(input_ids, plan, last_rows)  # type: ignore[arg-type]
+    greedy: list[int] = logits.argmax(dim=-1).tolist()
     return greedy
 
 
@@ -363,7 +400,7 @@ class ModelDrafter:
 
     def __init__(
         self,
-        model: LlamaForCausalLM | DeepseekV3ForCausalLM,
+        model: UniformModel,
         *,
         num_blocks: int,
         block_size: int,
@@ -456,7 +493,7 @@ class _Engine:
 
     def __init__(
         self,
-        model: LlamaForCausalLM | DeepseekV3ForCausalLM,
+        model: Model,
         requests: Sequence[Request],
         *,
         block_size: int,
@@ -473,33 +510,62 @@ class _Engine:
         speculate: int = 0,
         drafter: Drafter | None = None,
     ) -> None:
-        self.mgr = BlockManager(
-            num_blocks,
-            block_size,
-            num_cpu_blocks=num_cpu_blocks,
-            hash_key=hash_key,
-            enable_events=store is not None,
-        )
-        self.llama = _paged_runner(
+        self.runner = _paged_runner(
             model, num_blocks, block_size, backend, device, kv_dtype, kv_scales
         )
-        self.gpu = self.llama.cache
-        self.cpu = KVCache(
-            self.gpu.num_layers,
-            max(num_cpu_blocks, 1),
-            block_size,
-            self.gpu.num_kv_heads,
-            self.gpu.head_dim,
-            self.gpu.dtype,
-            "cpu",
-            layout=self.gpu.layout,
-            rope_dim=self.gpu.rope_dim,
-            scales=kv_scales,
-            pin_memory=device.type == "cuda",
-        )
+        self.gpu = self.runner.cache
+        self.mgr: BlockManager | HybridManager
+        self.cpu: KVCache | GroupedKVCache
+        pin = device.type == "cuda"
+        if isinstance(self.gpu, GroupedKVCache):
+            self.mgr = HybridManager(
+                num_blocks,
+                block_size,
+                self.gpu.groups.attention,
+                num_cpu_blocks=num_cpu_blocks,
+                hash_key=hash_key,
+            )
+            pool = self.gpu.pool
+            self.cpu = GroupedKVCache(
+                self.gpu.groups,
+                max(num_cpu_blocks, 1),
+                block_size,
+                pool.num_kv_heads,
+                pool.head_dim,
+                pool.dtype,
+                "cpu",
+                pin_memory=pin,
+            )
+        else:
+            self.mgr = BlockManager(
+                num_blocks,
+                block_size,
+                num_cpu_blocks=num_cpu_blocks,
+                hash_key=hash_key,
+                enable_events=store is not None,
+            )
+            self.cpu = KVCache(
+                self.gpu.num_layers,
+                max(num_cpu_blocks, 1),
+                block_size,
+                self.gpu.num_kv_heads,
+                self.gpu.head_dim,
+                self.gpu.dtype,
+                "cpu",
+                layout=self.gpu.layout,
+                rope_dim=self.gpu.rope_dim,
+                scales=kv_scales,
+                pin_memory=pin,
+            )
+        # Each step a running sequence may grow by a block in every group.
+        self.num_groups = self.mgr.num_groups if isinstance(self.mgr, HybridManager) else 1
         self.speculate = speculate
         self.drafter = drafter if speculate else None
-        self.tier = KVTier(store, model_id, self.mgr, self.gpu) if store is not None else None
+        self.tier = (
+            KVTier(store, model_id, self.mgr, self.gpu)  # type: ignore[arg-type]
+            if store is not None
+            else None
+        )
         self.device = device
         self.block_size = block_size
         self.requests = list(requests)
@@ -517,23 +583,26 @@ class _Engine:
         return self.next_id - 1
 
     def _available(self) -> int:
-        stats = self.mgr.stats()
+        # A hybrid manager's groups share one pool: any group's stats count all of it.
+        stats = self.mgr.stats(0) if isinstance(self.mgr, HybridManager) else self.mgr.stats()
         return int(stats.num_free + stats.num_cached)
 
-    def _blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def _prompt_blocks(self, num_tokens: int) -> int:
+        """Blocks a prompt chunk of `num_tokens` tokens may hold: all of them in every group
+        (its queries together read every one of its tokens, whatever the window)."""
+        return self.num_groups * -(-num_tokens // self.block_size)
 
-    def _has_room(self, num_tokens: int) -> bool:
-        """Room for `num_tokens` more plus one block of growth per running sequence."""
-        return self._available() - self._blocks(num_tokens) > len(self.running)
+    def _has_room(self, num_blocks: int) -> bool:
+        """Room for `num_blocks` more plus a block of growth per group and running sequence."""
+        return self._available() - num_blocks > len(self.running) * self.num_groups
 
     def _swap_in(self) -> None:
         """Bring swapped sequences back, oldest first, while they fit with room to grow."""
         while self.swapped:
             seq = self.swapped[0]
-            if not self._has_room(self.mgr.num_tokens(seq.seq_id)):
+            if not self._has_room(seq.swapped_blocks):
                 return
-            self.gpu.swap_in(self.cpu, self.mgr.swap_in([seq.seq_id]))
+            self.gpu.swap_in(self.cpu, self.mgr.swap_in([seq.seq_id]))  # type: ignore[arg-type]
             # The copy is queued on the device's stream ahead of the next forward pass.
             self.mgr.confirm_swap_in([seq.seq_id])
             self.running.append(self.swapped.pop(0))
@@ -548,7 +617,8 @@ class _Engine:
                 break
             prompt = [int(t) for t in req.prompt]
             first = prompt[: self.chunk] if self.chunk else prompt
-            if not (self.mgr.can_allocate(first) and self._has_room(len(first))):
+            fits = self._has_room(self._prompt_blocks(len(first)))
+            if not (fits and self.mgr.can_allocate(first)):
                 break
             seq = _Sequence(self._new_id(), r, 0, prompt, req.max_new_tokens)
             if self.tier is not None:  # GPU prefix hit, then the blocks the store holds
@@ -562,10 +632,11 @@ class _Engine:
         return admitted
 
     def _swap_out(self, seq: _Sequence) -> None:
-        pairs = self.mgr.swap_out([seq.seq_id])
-        self.gpu.swap_out(self.cpu, pairs)
+        pairs = self.mgr.swap_out([seq.seq_id])  # a hybrid manager's: one array per group
+        self.gpu.swap_out(self.cpu, pairs)  # type: ignore[arg-type]
         self.mgr.confirm_swap_out([seq.seq_id])  # the GPU blocks may be reused from here on
-        self.result.swapped_out_blocks += len(pairs)
+        seq.swapped_blocks = sum(map(len, pairs)) if isinstance(pairs, list) else len(pairs)
+        self.result.swapped_out_blocks += seq.swapped_blocks
         if self.drafter is not None:
             self.drafter.drop(seq)
         self.running.remove(seq)
@@ -638,14 +709,15 @@ class _Engine:
         ids = [s.seq_id for s in batch]
         # Planning commits each sequence's previous forward pass (auto-commit) and hands back
         # the copy-on-write pairs this batch must apply before its own forward pass.
-        plan = self.mgr.plan(ids, q_lens)
-        self.result.copied_blocks += len(plan.copies)
+        plan = self.mgr.plan(ids, q_lens)  # a hybrid manager's: one per group
+        plans = plan if isinstance(plan, list) else [plan]
+        self.result.copied_blocks += sum(len(p.copies) for p in plans)
         tokens: list[int] = []
         rows: list[int] = []  # a prefill's last row; every row of a decode and its drafts
-        for seq, q, end in zip(batch, q_lens, plan.qo_indptr[1:].tolist(), strict=True):
+        for seq, q, end in zip(batch, q_lens, plans[0].qo_indptr[1:].tolist(), strict=True):
             tokens += self.mgr.token_ids(seq.seq_id)[-q:].tolist()
             rows += range(end - q, end) if not seq.prefilling else [end - 1]
-        greedy = iter(_forward(self.llama, plan, tokens, rows, self.device))
+        greedy = iter(_forward(self.runner, plan, tokens, rows, self.device))
         if self.tier is not None:  # save the blocks this step's commit made computed
             self.tier.offer(self.mgr.take_events())
 
@@ -724,6 +796,10 @@ class _Engine:
     def _finish_if_done(self, seq: _Sequence) -> None:
         if len(seq.generated) >= seq.max_new_tokens:
             self.result.tokens[seq.request][seq.sample] = list(seq.generated)
+            if isinstance(self.mgr, HybridManager):
+                self.result.window_released_blocks += sum(
+                    self.mgr.first_block(seq.seq_id, g) for g in range(self.num_groups)
+                )
             self.mgr.free(seq.seq_id)
             if self.drafter is not None:
                 self.drafter.drop(seq)
@@ -747,7 +823,7 @@ class _Engine:
 
 @torch.inference_mode()
 def generate(
-    model: LlamaForCausalLM | DeepseekV3ForCausalLM,
+    model: Model,
     requests: Sequence[Request],
     *,
     block_size: int = 16,
@@ -762,12 +838,14 @@ def generate(
     kv_dtype: torch.dtype | None = None,
     kv_scales: Sequence[tuple[float, float]] | None = None,
     speculate: int = 0,
-    draft_model: LlamaForCausalLM | DeepseekV3ForCausalLM | None = None,
+    draft_model: UniformModel | None = None,
 ) -> GenerationResult:
     """Greedy continuous-batching generation of `requests` with `model`'s weights.
 
     `kv_dtype` (default: the model's dtype) and `kv_scales` (per layer, for float8) pick the
-    cache's dtype; a DeepSeek-V3 model gets an MLA cache.
+    cache's dtype; a DeepSeek-V3 model gets an MLA cache. A hybrid model (`HybridModel`) runs
+    on a `HybridManager` over a `GroupedKVCache` in its own dtype, without a `store` or a
+    `draft_model` (prompt lookup drafts for it).
 
     `prefill_chunk` caps the prompt tokens a sequence brings to one step (prefix-cache hits are
     then looked up within its first chunk). `device` defaults to the model's. With a `store`,
@@ -783,6 +861,8 @@ def generate(
             raise ValueError(
                 f"a request needs a prompt, max_new_tokens >= 1 and num_samples >= 1: {req}"
             )
+    if isinstance(model, HybridModel) and (store is not None or draft_model is not None):
+        raise ValueError("a hybrid model runs without a store or a draft model")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     drafter: Drafter = (
         NgramDrafter()
@@ -857,6 +937,82 @@ def tiny_deepseek(seed: int = 0, vocab_size: int = 128) -> DeepseekV3ForCausalLM
     return _seeded(DeepseekV3ForCausalLM, config, seed)
 
 
+def _hybrid_fields(vocab_size: int) -> dict[str, Any]:
+    """Config fields the tiny hybrid models share: 4 heads over 2 KV heads of 16, eager
+    attention in `transformers` (the reference the paged run must equal)."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "attn_implementation": "eager",
+    }
+
+
+def tiny_gemma3(seed: int = 0, vocab_size: int = 128, window: int = 8) -> Gemma3ForCausalLM:
+    """A small random Gemma 3 (text): sliding-window and full layers alternating, a local rope
+    base of its own, a softmax scale other than 1/sqrt(head_dim), a final logit soft cap."""
+    config = Gemma3TextConfig(
+        intermediate_size=128,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=32,
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        **_hybrid_fields(vocab_size),
+    )
+    return _seeded(Gemma3ForCausalLM, config, seed)
+
+
+def tiny_gpt_oss(seed: int = 0, vocab_size: int = 128, window: int = 8) -> GptOssForCausalLM:
+    """A small random gpt-oss: sliding-window and full layers alternating, sinks, YaRN rope,
+    4 experts (2 per token)."""
+    config = GptOssConfig(
+        intermediate_size=64,
+        sliding_window=window,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150_000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
+        **_hybrid_fields(vocab_size),
+    )
+    return _seeded(GptOssForCausalLM, config, seed)
+
+
+def tiny_llama4(seed: int = 0, vocab_size: int = 128, window: int = 8) -> Llama4ForCausalLM:
+    """A small random Llama 4 (text): chunked-local layers (rope) and full layers (NoPE, their
+    queries scaled by `1 + log1p(floor((pos + 1) / 4))`) alternating; MoE every other layer."""
+    config = Llama4TextConfig(
+        intermediate_size=64,
+        intermediate_size_mlp=128,
+        attention_chunk_size=window,
+        no_rope_layers=[1, 0, 1, 0],  # 1: rope and a chunk; 0: no rope, full attention
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        floor_scale=4,
+        attn_scale=1.0,
+        **_hybrid_fields(vocab_size),
+    )
+    return _seeded(Llama4ForCausalLM, config, seed)
+
+
 def first_layers(model: Any, num_layers: int) -> Any:
     """A copy of `model` that keeps only its first `num_layers` decoder layers (a draft that
     shares the target's embeddings, first layers and head)."""
@@ -874,11 +1030,20 @@ def _seeded(model_class: Any, config: Any, seed: int) -> Any:
     return model
 
 
+TINY_MODELS: dict[str, Callable[[], Model]] = {
+    "llama": tiny_llama,
+    "deepseek": tiny_deepseek,
+    "gemma3": tiny_gemma3,
+    "gpt-oss": tiny_gpt_oss,
+    "llama4": tiny_llama4,
+}
+
+
 def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
-    parser.add_argument("--model", default="llama", choices=["llama", "deepseek"])
+    parser.add_argument("--model", default="llama", choices=sorted(TINY_MODELS))
     parser.add_argument("--kv-dtype", default="model", choices=["model", "fp8"])
     parser.add_argument("--redis", metavar="URL", help="share computed blocks through Redis")
     parser.add_argument(
@@ -902,7 +1067,7 @@ def _main() -> None:
         from pagedkv.tier.redis_store import RedisStore
 
         store = RedisStore(args.redis)
-    model = (tiny_deepseek() if args.model == "deepseek" else tiny_llama()).to(args.device)
+    model = TINY_MODELS[args.model]().to(args.device)
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
     draft = first_layers(model, 1) if args.speculate and args.drafter == "model" else None
     shared = list(range(1, 40))
@@ -916,7 +1081,7 @@ def _main() -> None:
         model,
         requests,
         backend=args.backend,
-        block_size=16,
+        block_size=4,  # the hybrid models' windows are 8 tokens
         store=store,
         hash_key=bytes.fromhex(args.hash_key),
         kv_dtype=kv_dtype,
@@ -928,7 +1093,8 @@ def _main() -> None:
     print(
         f"steps={result.steps} prefix_hit_tokens={result.prefix_hit_tokens} "
         f"copied_blocks={result.copied_blocks} swapped_out_blocks={result.swapped_out_blocks} "
-        f"mixed_steps={result.mixed_steps} max_batch={result.max_batch_size}"
+        f"mixed_steps={result.mixed_steps} max_batch={result.max_batch_size} "
+        f"window_released_blocks={result.window_released_blocks}"
     )
     if args.speculate:
         print(

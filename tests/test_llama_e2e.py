@@ -24,6 +24,8 @@ def load_example() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    if str(EXAMPLE.parent) not in sys.path:  # the example imports its sibling hybrid_models.py
+        sys.path.insert(0, str(EXAMPLE.parent))
     spec.loader.exec_module(module)
     return module
 

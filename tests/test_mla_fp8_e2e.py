@@ -69,7 +69,7 @@ def prompt_logits(model: torch.nn.Module, kv_dtype: torch.dtype | None) -> torch
                 mgr.append(0, prompt[lo:hi])
             plan = mgr.plan([0], [hi - lo])
             ids = torch.tensor(prompt[lo:hi])
-            outs.append(engine.llama.forward(ids, plan, torch.arange(hi - lo)).float())
+            outs.append(engine.runner.forward(ids, plan, torch.arange(hi - lo)).float())
     return torch.cat(outs)
 
 
