@@ -341,3 +341,26 @@ fn random_operations_keep_every_state_exact() {
     }
     assert!(resumed > 0, "no admission resumed from a checkpoint");
 }
+
+/// A working state already holds the planned tokens: a plan covering them again is refused,
+/// changing nothing.
+#[test]
+fn a_plan_must_start_where_the_planned_tokens_end() {
+    let mgr = manager(64, state(4, 2));
+    let prompt: Vec<u32> = (0..20).collect();
+    mgr.allocate(1, &prompt, None).unwrap();
+    let mut plans = vec![Plan::new()];
+    mgr.plan(&[1], &[20], &mut plans).unwrap();
+    match mgr.plan(&[1], &[4], &mut plans) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("state group"), "{msg}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(plans[0].state_slots.is_empty());
+    mgr.append(1, &[7, 8]).unwrap();
+    mgr.plan(&[1], &[2], &mut plans).unwrap();
+    assert_eq!(
+        plans[0].state_slots,
+        vec![mgr.state_slot(1).unwrap() as i32]
+    );
+    mgr.check().unwrap();
+}

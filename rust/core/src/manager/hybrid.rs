@@ -13,7 +13,7 @@ use crate::config::{Attention, Config};
 use crate::error::invalid;
 use crate::keys::HashKeys;
 use crate::manager::admission::{check_prompt, Admission};
-use crate::manager::step::{DecodeRows, Listed};
+use crate::manager::step::{DecodeRows, Listed, PreparedPlan};
 use crate::manager::BlockManager;
 use crate::plan::Plan;
 use crate::prefix::MapKey;
@@ -304,19 +304,15 @@ impl HybridManager {
     ) -> Result<(), Error> {
         self.one_plan_each(plans)?;
         let mut held = lock(&self.lock);
-        let mut prepared = Vec::with_capacity(self.groups.len());
-        for g in &self.groups {
-            match g.prepare_plan(seqs, query_lens) {
-                Ok(p) => prepared.push(p),
-                Err(e) => {
-                    drop(prepared);
-                    for (g, plan) in self.groups.iter().zip(plans.iter_mut()) {
-                        plan.begin(0, 0, 0, g.bs);
-                    }
-                    return Err(e);
+        let mut prepared = match self.prepare_plans(seqs, query_lens, held.is_some()) {
+            Ok(prepared) => prepared,
+            Err(e) => {
+                for (g, plan) in self.groups.iter().zip(plans.iter_mut()) {
+                    plan.begin(0, 0, 0, g.bs);
                 }
+                return Err(e);
             }
-        }
+        };
         for ((g, p), plan) in self.groups.iter().zip(&mut prepared).zip(plans.iter_mut()) {
             g.apply_plan(p, query_lens, plan);
         }
@@ -332,6 +328,35 @@ impl HybridManager {
             state.plan(&rows, &mut plans[0]);
         }
         Ok(())
+    }
+
+    /// Every group's first pass of `plan`. With a state group, each query must start where the
+    /// sequence's planned tokens end: the working state already holds the tokens before it, and
+    /// planning them again would apply them twice.
+    fn prepare_plans(
+        &self,
+        seqs: &[SeqId],
+        query_lens: &[u32],
+        stateful: bool,
+    ) -> Result<Vec<PreparedPlan<'_>>, Error> {
+        let mut prepared = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            prepared.push(g.prepare_plan(seqs, query_lens)?);
+        }
+        if stateful {
+            for (row, (&seq, &q)) in seqs.iter().zip(query_lens).enumerate() {
+                let s = prepared[0].row(row);
+                let start = s.tokens.len() - q as usize;
+                if start != s.planned {
+                    return Err(invalid(format!(
+                        "query length {q} of sequence {seq}: with a state group a plan starts \
+                         where the planned tokens end (token {}), not at {start}",
+                        s.planned
+                    )));
+                }
+            }
+        }
+        Ok(prepared)
     }
 
     /// The decode step of every group: every group's rows checked and counted, every group's
