@@ -16,8 +16,8 @@ use crate::conversions::{
 use crate::events::Event;
 use crate::manager::{build_config, pool_kind, token_counts};
 use crate::plan::{spare_plan, Plan, PlanPool};
-use crate::state::{StateConfig, StateStats};
-use crate::stats::Stats;
+use crate::state::StateConfig;
+use crate::stats::{StateStats, Stats};
 
 /// KV-cache groups of a hybrid model over one pool (see `pagedkv.HybridManager`).
 #[pyclass(frozen, module = "pagedkv._core")]

@@ -25,7 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::Plan>()?;
     m.add_class::<stats::Stats>()?;
     m.add_class::<state::StateConfig>()?;
-    m.add_class::<state::StateStats>()?;
+    m.add_class::<stats::StateStats>()?;
     m.add_class::<events::Event>()?;
     m.add("OutOfBlocks", m.py().get_type::<conversions::OutOfBlocks>())?;
     Ok(())

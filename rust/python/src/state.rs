@@ -1,5 +1,5 @@
-//! `StateConfig` and `StateStats`: the state group of a `HybridManager` (see
-//! `pagedkv.StateConfig`); conversions only.
+//! `StateConfig`: the state group of a `HybridManager` (see `pagedkv.StateConfig`);
+//! conversions only.
 
 use pyo3::prelude::*;
 
@@ -69,86 +69,6 @@ impl StateConfig {
             "StateConfig({}, max_checkpoints={}, checkpoint_interval={}, \
              checkpoints_per_sequence={})",
             c.num_slots, c.max_checkpoints, c.checkpoint_interval, c.checkpoints_per_sequence
-        )
-    }
-}
-
-/// A snapshot of a hybrid manager's state pool.
-#[pyclass(frozen, get_all, module = "pagedkv._core")]
-pub(crate) struct StateStats {
-    /// Slots of the pool.
-    num_slots: usize,
-    /// Slots free.
-    num_free: usize,
-    /// Working slots of live sequences.
-    num_working: usize,
-    /// Slots holding committed checkpoints.
-    num_checkpoints: usize,
-    /// Slots a planned pass saves a checkpoint into (not committed yet).
-    num_saving: usize,
-    /// Prompt tokens a checkpoint could have resumed (what the state group alone allowed).
-    prefix_allowed_tokens: u64,
-    /// Prompt tokens resumed from a checkpoint.
-    prefix_hit_tokens: u64,
-    /// Checkpoints registered.
-    saved: u64,
-    /// Checkpoint saves skipped: the budget was full of checkpoints in use.
-    skipped: u64,
-    /// Checkpoints evicted to make room.
-    evictions: u64,
-    /// Checkpoints dropped by the per-sequence cap.
-    dropped: u64,
-}
-
-impl From<core::StateStats> for StateStats {
-    fn from(stats: core::StateStats) -> StateStats {
-        let core::StateStats {
-            num_slots,
-            num_free,
-            num_working,
-            num_checkpoints,
-            num_saving,
-            prefix_allowed_tokens,
-            prefix_hit_tokens,
-            saved,
-            skipped,
-            evictions,
-            dropped,
-        } = stats;
-        StateStats {
-            num_slots,
-            num_free,
-            num_working,
-            num_checkpoints,
-            num_saving,
-            prefix_allowed_tokens,
-            prefix_hit_tokens,
-            saved,
-            skipped,
-            evictions,
-            dropped,
-        }
-    }
-}
-
-#[pymethods]
-impl StateStats {
-    fn __repr__(&self) -> String {
-        format!(
-            "StateStats(num_slots={}, num_free={}, num_working={}, num_checkpoints={}, \
-             num_saving={}, prefix_allowed_tokens={}, prefix_hit_tokens={}, saved={}, \
-             skipped={}, evictions={}, dropped={})",
-            self.num_slots,
-            self.num_free,
-            self.num_working,
-            self.num_checkpoints,
-            self.num_saving,
-            self.prefix_allowed_tokens,
-            self.prefix_hit_tokens,
-            self.saved,
-            self.skipped,
-            self.evictions,
-            self.dropped
         )
     }
 }

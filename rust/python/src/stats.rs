@@ -1,4 +1,5 @@
-//! The `Stats` Python class: a mirror of the core's `Stats`, declared once from its field list.
+//! The `Stats` and `StateStats` Python classes: mirrors of the core's, each declared once from
+//! its field list.
 
 use pyo3::prelude::*;
 
@@ -27,35 +28,37 @@ impl Shown for f64 {
     }
 }
 
-/// Declares `Stats` with one read-only attribute per field of `core::Stats` (the conversion
+/// Declares `$name` with one read-only attribute per field of `core::$name` (the conversion
 /// destructures it exhaustively, so a field added to the core fails to compile here until it
 /// is mirrored), and its repr.
 macro_rules! mirror {
-    ($($(#[doc = $doc:literal])+ $field:ident: $ty:ty,)+) => {
-        /// A snapshot of the pool and the prefix cache.
+    ($(#[doc = $what:literal])+ $name:ident { $($(#[doc = $doc:literal])+ $field:ident: $ty:ty,)+ }) => {
+        $(#[doc = $what])+
         #[pyclass(frozen, get_all, module = "pagedkv._core")]
-        pub(crate) struct Stats {
+        pub(crate) struct $name {
             $($(#[doc = $doc])+ $field: $ty,)+
         }
 
-        impl From<core::Stats> for Stats {
-            fn from(stats: core::Stats) -> Stats {
-                let core::Stats { $($field),+ } = stats;
-                Stats { $($field),+ }
+        impl From<core::$name> for $name {
+            fn from(stats: core::$name) -> $name {
+                let core::$name { $($field),+ } = stats;
+                $name { $($field),+ }
             }
         }
 
         #[pymethods]
-        impl Stats {
+        impl $name {
             fn __repr__(&self) -> String {
                 let fields = [$(format!(concat!(stringify!($field), "={}"), self.$field.shown())),+];
-                format!("Stats({})", fields.join(", "))
+                format!(concat!(stringify!($name), "({})"), fields.join(", "))
             }
         }
     };
 }
 
 mirror! {
+    /// A snapshot of the pool and the prefix cache.
+    Stats {
     /// Blocks in the GPU pool.
     num_blocks: usize,
     /// FREE blocks: unreferenced, not cached.
@@ -89,4 +92,33 @@ mirror! {
     external_hit_tokens: u64,
     /// Blocks handed out for an external load that was not confirmed.
     external_failures: u64,
+}
+}
+
+mirror! {
+    /// A snapshot of a hybrid manager's state pool.
+    StateStats {
+    /// Slots of the pool.
+    num_slots: usize,
+    /// Slots free.
+    num_free: usize,
+    /// Working slots of live sequences.
+    num_working: usize,
+    /// Slots holding committed checkpoints.
+    num_checkpoints: usize,
+    /// Slots a planned pass saves a checkpoint into (not committed yet).
+    num_saving: usize,
+    /// Prompt tokens a checkpoint could have resumed (what the state group alone allowed).
+    prefix_allowed_tokens: u64,
+    /// Prompt tokens resumed from a checkpoint.
+    prefix_hit_tokens: u64,
+    /// Checkpoints registered.
+    saved: u64,
+    /// Checkpoint saves skipped: the budget was full of checkpoints in use.
+    skipped: u64,
+    /// Checkpoints evicted to make room.
+    evictions: u64,
+    /// Checkpoints dropped by the per-sequence cap.
+    dropped: u64,
+    }
 }
