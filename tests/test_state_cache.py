@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv import Attention, HybridManager, OutOfBlocks, StateConfig
-from pagedkv.state_cache import StateCache, StateSegment, state_segments, state_shapes
+from pagedkv import Attention, HybridManager, OutOfBlocks, StateCache, StateConfig
+from pagedkv.state_cache import StateSegment, state_segments, state_shapes
 
 
 def fake_plan(
