@@ -2,8 +2,8 @@
 
 The KV cache is cut into fixed-size blocks stored anywhere in a pool; each sequence's block
 table maps its logical positions to physical blocks (PagedAttention). `BlockManager` is the
-lock-free Rust allocator; `KVCache` and `PagedAttention` (which need torch, loaded on first use)
-turn its plans into attention.
+lock-free Rust allocator; `KVCache`, `PagedAttention` and `StateCache` (which need torch, loaded
+on first use) turn its plans into attention and recurrent states.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,7 @@ from pagedkv._core import (
 if TYPE_CHECKING:
     from pagedkv.attention import PagedAttention
     from pagedkv.kv_cache import KVCache
+    from pagedkv.state_cache import StateCache
 
 __all__ = [
     "Attention",
@@ -35,6 +36,7 @@ __all__ = [
     "OutOfBlocks",
     "PagedAttention",
     "Plan",
+    "StateCache",
     "StateConfig",
     "StateStats",
     "Stats",
@@ -52,4 +54,8 @@ def __getattr__(name: str) -> Any:
         from pagedkv.attention import PagedAttention
 
         return PagedAttention
+    if name == "StateCache":
+        from pagedkv.state_cache import StateCache
+
+        return StateCache
     raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")

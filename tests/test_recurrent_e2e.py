@@ -1,0 +1,175 @@
+"""End to end: a hybrid recurrent model on pagedkv's state group reproduces `model.generate`.
+
+A small, seeded, randomly initialised Qwen3-Next (Gated DeltaNet and gated attention layers, no
+download) runs its own weights through `HybridManager` (a full-attention KV group and a state
+group) + `KVCache` + `PagedAttention` + `StateCache` in `examples/recurrent_batching.py`; greedy
+tokens must equal `transformers`' greedy `generate` for every prompt and every parallel sample,
+whether a state came from a reset, a checkpoint, a fork's copy or a recompute.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "recurrent_batching.py"
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("recurrent_batching", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+rb = load_example()
+SHARED = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: 3 full blocks of 4
+
+
+def requests() -> list[Any]:
+    r = rb.Request
+    return [
+        r([*SHARED, 1, 2, 3], 9),  # checkpoints at its prompt point, 16
+        r([5, 6, 7, 8, 9, 10, 11], 11, arrival_step=0, num_samples=3),  # forked after prefill
+        r([*SHARED, 7], 8, arrival_step=2),  # KV hit 12, no state there: saves at 12
+        r(list(range(40, 59)), 6, arrival_step=3),
+        r([*SHARED, 100, 101, 102, 103, 104], 7, arrival_step=6),  # resumes from that save
+        r([99], 12, arrival_step=4),
+    ]
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    torch.set_num_threads(1)
+    m: torch.nn.Module = rb.tiny_qwen3_next(seed=0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def expected(model: torch.nn.Module) -> list[list[int]]:
+    out: list[list[int]] = []
+    for r in requests():
+        ids = torch.tensor([list(r.prompt)])
+        with torch.inference_mode():
+            tokens = model.generate(  # type: ignore[operator]
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=r.max_new_tokens,
+                do_sample=False,
+            )
+        out.append(tokens[0, ids.shape[1] :].tolist())
+        assert len(out[-1]) == r.max_new_tokens
+    return out
+
+
+def check_tokens(result: Any, expected: list[list[int]]) -> None:
+    for i, (samples, want) in enumerate(zip(result.tokens, expected, strict=True)):
+        for s, got in enumerate(samples):
+            assert got == want, f"request {i} sample {s}: {got} != {want}"
+
+
+def test_greedy_tokens_equal_generate(model: torch.nn.Module, expected: list[list[int]]) -> None:
+    result = rb.generate(model, requests(), block_size=4, num_blocks=96, backend="torch")
+    check_tokens(result, expected)
+    # Request 2 saved the state at its branch point (12 tokens); request 4 resumes there.
+    assert result.hits == [0, 0, 0, 0, 0, 12]
+    assert result.state.prefix_hit_tokens == 12
+    assert result.state_copies >= 3  # two forked samples and one checkpoint hit
+    assert result.split_rows > 0  # a save cut a row's query: the state was taken mid-pass
+    assert result.mixed_steps > 0
+    assert result.max_batch_size >= 4
+
+
+@pytest.mark.parametrize(
+    ("options", "hit_tokens"),
+    [
+        ({"prefill_chunk": 5}, 8),  # chunks append to the prompt: points follow them
+        ({"checkpoint_interval": 8}, 20),  # request 2 resumes at 8, request 4 at 12
+        ({"num_slots": 4}, 4),  # too few slots to fork: the samples recompute
+    ],
+)
+def test_checkpoints_chunks_and_tight_slots(
+    model: torch.nn.Module,
+    expected: list[list[int]],
+    options: dict[str, int],
+    hit_tokens: int,
+) -> None:
+    result = rb.generate(model, requests(), block_size=4, num_blocks=96, backend="torch", **options)
+    check_tokens(result, expected)
+    assert result.state.prefix_hit_tokens == hit_tokens
+    assert sum(result.hits) >= hit_tokens
+
+
+@pytest.mark.parametrize(("num_blocks", "prefill_chunk"), [(14, None), (12, 5)])
+def test_preemption_by_recompute_keeps_tokens_exact(
+    model: torch.nn.Module, expected: list[list[int]], num_blocks: int, prefill_chunk: int | None
+) -> None:
+    # A KV pool too small for every sequence at once: the youngest are freed and recomputed.
+    result = rb.generate(
+        model,
+        requests(),
+        block_size=4,
+        num_blocks=num_blocks,
+        prefill_chunk=prefill_chunk,
+        backend="torch",
+    )
+    check_tokens(result, expected)
+    assert result.preempted > 0
+
+
+def test_random_workload_on_another_model() -> None:
+    # Prompts branching off two stems at random lengths, arriving over time, on a tight pool
+    # with chunked prefill and interval checkpoints: every way a state is made, at once.
+    rng = random.Random(7)
+    model = rb.tiny_qwen3_next(seed=1)
+    reqs = []
+    for i in range(8):
+        base = rng.randrange(2) * 50
+        stem = [base + t for t in range(rng.randrange(4, 30))]
+        tail = [rng.randrange(128) for _ in range(rng.randrange(4))]
+        reqs.append(rb.Request([*stem, *tail], rng.randrange(3, 9), i, 1 + (i % 3 == 0)))
+    result = rb.generate(
+        model,
+        reqs,
+        block_size=4,
+        num_blocks=12,
+        num_slots=8,
+        checkpoint_interval=4,
+        prefill_chunk=10,
+        backend="torch",
+    )
+    for i, r in enumerate(reqs):
+        ids = torch.tensor([list(r.prompt)])
+        with torch.inference_mode():
+            out = model.generate(  # type: ignore[operator]
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=r.max_new_tokens,
+                do_sample=False,
+            )
+        want = out[0, ids.shape[1] :].tolist()
+        for s, got in enumerate(result.tokens[i]):
+            assert got == want, f"request {i} sample {s}: {got} != {want}"
+    assert result.state.prefix_hit_tokens > 0
+    assert result.preempted > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda(model: torch.nn.Module, expected: list[list[int]]) -> None:
+    # float32 on the GPU: the state cache, the KV cache and attention all on the device.
+    result = rb.generate(
+        model.cuda(), requests(), block_size=4, num_blocks=96, prefill_chunk=5, device="cuda"
+    )
+    model.cpu()
+    check_tokens(result, expected)
+    assert result.state.prefix_hit_tokens > 0
