@@ -284,3 +284,20 @@ def test_cli_prints_the_state_group(capsys: pytest.CaptureFixture[str]) -> None:
     assert hybrid["state"]["saves_per_decode_token"] > 0
     assert main([*args, "--checkpoint-interval", "20"]) == 1
     assert "multiple of the block size" in capsys.readouterr().err
+
+
+def test_chat_under_pressure_evicts_checkpoints() -> None:
+    # 16 slots for 10 conversations' resume points and their prefills' saves: the budget of
+    # 8 checkpoints evicts; every hit still needs the full-attention group's blocks.
+    trace = chat_trace(CHAT_TRACES["chat"], 60, max_len=QWEN.max_len, rate=INF, seed=0)
+    config = SimulationConfig(
+        QWEN, GPUS["H200"], kv_memory=1_300_000_000, systems=("hybrid", "paged")
+    )
+    assert config.num_state_slots == 16
+    result = simulate(trace, config, trace_name="chat")
+    hybrid = result.systems[0]
+    assert hybrid.state is not None and hybrid.prefix is not None
+    assert hybrid.state.evictions > 0 and hybrid.state.skipped > 0
+    assert hybrid.state.peak_checkpoints <= 8
+    assert hybrid.prefix.hit_tokens <= hybrid.prefix.full_group_tokens
+    assert hybrid.state.hit_tokens == hybrid.prefix.hit_tokens

@@ -161,8 +161,9 @@ def _simulate_epilog() -> str:
     )
     for m in MODELS.values():
         lines += textwrap.wrap(
-            f"{m.name:<11} {m.kv_bytes_per_token:,} B/token, {m.num_params / 1e9:.2f}B "
-            f"params, {m.max_len} tokens: {m.source}",
+            f"{m.name:<11} {m.kv_bytes_per_token:,} B/token"
+            + (f" + {m.state_bytes:,} B of state per sequence" if m.has_state else "")
+            + f", {m.num_params / 1e9:.2f}B params, {m.max_len} tokens: {m.source}",
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",

@@ -45,6 +45,8 @@ def _header(result: SimulationResult, arrivals: str) -> list[str]:
     )
     if any(key not in ("paged", "hybrid") for key in c.systems):
         model_line += f"; contiguous regions placed by {c.allocator} allocation"
+    if c.model.has_state:
+        model_line += " (the hybrid system's pages and state slots share it: see below)"
     t = c.timing
     timing_line = (
         f"step time: decode reads at {t.bandwidth_fraction:.1%} of {t.bandwidth / 1e12:.4g} TB/s, "
@@ -127,7 +129,8 @@ def _hybrid_lines(result: SimulationResult) -> list[str]:
         f"hybrid groups: {groups.num_groups} groups of {groups.layers_per_group} layers "
         f"({kinds}); {groups.padding_layers} padding slots; pages of {page / 2**20:.3g} MiB",
         f"prefill in chunks of {result.config.prefill_chunk} tokens in the hybrid system "
-        "(the uniform one holds every block of every layer anyway)",
+        f"(the {'full-attention' if model.has_state else 'uniform'} one holds every block of "
+        "every layer anyway)",
     ]
     out += textwrap.wrap(
         "bound: the mean batch if every running sequence held exactly what its layers' "

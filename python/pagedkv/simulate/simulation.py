@@ -174,7 +174,12 @@ class SimulationConfig:
 
     @property
     def interval(self) -> int:
-        """Tokens between a sequence's state checkpoints (0: prompt ends and branch points)."""
+        """Tokens between a sequence's state checkpoints (0: prompt ends and branch points).
+
+        The default, a block, checkpoints every running sequence's last block boundary, so
+        a next turn finds a checkpoint exactly where its KV hit ends (a hit needs one there),
+        at one state copy per block of decode on top of the state a step reads and writes.
+        """
         if self.checkpoint_interval is None:
             return self.block_size
         return self.checkpoint_interval
