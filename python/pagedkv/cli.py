@@ -161,8 +161,9 @@ def _simulate_epilog() -> str:
     )
     for m in MODELS.values():
         lines += textwrap.wrap(
-            f"{m.name:<11} {m.kv_bytes_per_token:,} B/token, {m.num_params / 1e9:.2f}B "
-            f"params, {m.max_len} tokens: {m.source}",
+            f"{m.name:<11} {m.kv_bytes_per_token:,} B/token"
+            + (f" + {m.state_bytes:,} B of state per sequence" if m.has_state else "")
+            + f", {m.num_params / 1e9:.2f}B params, {m.max_len} tokens: {m.source}",
             width=88,
             initial_indent="  ",
             subsequent_indent="    ",
@@ -181,7 +182,12 @@ def _simulate_epilog() -> str:
         "          group per kind of attention (pagedkv.groups), pages of equal bytes, a",
         "          window's blocks released as it slides; prompts prefilled in chunks",
         "  paged   pagedkv.BlockManager: blocks on demand, fork for samples and beams; for a",
-        "          hybrid model, uniform paging: every layer treated as full attention",
+        "          hybrid model, uniform paging: every layer treated as full attention; for",
+        "          a recurrent model, the model with full attention in every layer",
+        "For a recurrent model (Mamba, linear attention layers) the hybrid system also holds",
+        "a state group: one state slot per live sequence and checkpoints of states after",
+        "block-aligned prefixes (--state-memory, --checkpoint-interval); only hybrid and",
+        "paged apply.",
         "  max     one contiguous region per sequence of the max length (Orca Max)",
         "  pow2    prompt + output rounded up to a power of two (Orca Pow2)",
         "  oracle  exactly prompt + output, as if known in advance (Orca Oracle)",
@@ -235,7 +241,7 @@ def _simulate_epilog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The `pagedkv` argument parser."""
     from pagedkv.simulate.presets import GPUS, MODELS
-    from pagedkv.simulate.simulation import PREFILL_CHUNK
+    from pagedkv.simulate.simulation import PREFILL_CHUNK, STATE_MEMORY_FRACTION
     from pagedkv.simulate.sweep import DEFAULT_LATENCY_BOUND
     from pagedkv.simulate.timing import DECODE_BANDWIDTH_FRACTION, PREFILL_FLOP_FRACTION
 
@@ -323,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_systems,
         default=None,
         help="comma-separated subset of hybrid,paged,max,pow2,oracle (default: all that "
-        "apply; hybrid needs a model with windowed layers)",
+        "apply; hybrid needs a model with windowed or recurrent layers)",
     )
     sim.add_argument(
         "--prefill-chunk",
@@ -336,6 +342,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="layers per KV-cache group (page) in the hybrid system (default: the rule of "
         "pagedkv.groups.kv_groups)",
+    )
+    sim.add_argument(
+        "--state-memory",
+        type=_fraction,
+        default=STATE_MEMORY_FRACTION,
+        metavar="F",
+        help="share of the memory for the state slots of a recurrent model's hybrid system "
+        f"(working states and checkpoints; the pages get the rest) ({STATE_MEMORY_FRACTION:g})",
+    )
+    sim.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        metavar="TOKENS",
+        help="tokens between a sequence's state checkpoints, a multiple of the block size; 0: "
+        "at prompt ends and branch points only (default: the block size)",
     )
     sim.add_argument(
         "--allocator",
@@ -525,6 +546,8 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig:
         flop_fraction=args.prefill_flop_fraction,
         prefill_chunk=args.prefill_chunk,
         layers_per_group=args.layers_per_group,
+        state_memory=args.state_memory,
+        checkpoint_interval=args.checkpoint_interval,
     )
 
 

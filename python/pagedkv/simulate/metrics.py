@@ -102,6 +102,40 @@ class PrefixReuse:
         }
 
 
+@dataclass(frozen=True)
+class StateUse:
+    """The state group of a hybrid recurrent model: its slots, its checkpoint policy and what
+    its checkpoints held, served and cost over a run (`pagedkv.StateStats` at the end)."""
+
+    num_slots: int
+    slot_bytes: int
+    max_checkpoints: int
+    checkpoint_interval: int  # 0: prompt ends and branch points only
+    checkpoints_per_sequence: int
+    mean_checkpoints: float  # held after each step, mean over every step
+    peak_checkpoints: int
+    saved: int  # checkpoints committed
+    skipped: int  # saves given up for want of a slot
+    evictions: int  # checkpoints evicted (LRU) for another slot
+    dropped: int  # interval checkpoints freed beyond a sequence's cap
+    decode_saves: int  # saves planned by decode steps (interval checkpoints)
+    decode_tokens: int  # tokens those steps stored
+    hit_copies: int  # copies of a checkpoint into a working slot (admissions that hit)
+    allowed_tokens: int  # prompt tokens the checkpoints alone could serve
+    hit_tokens: int  # prompt tokens served (every group, the state group included)
+
+    @property
+    def saves_per_decode_token(self) -> float:
+        """State copies into checkpoints per token decoded."""
+        return self.decode_saves / self.decode_tokens if self.decode_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The counts, for JSON."""
+        out: dict[str, float | int] = dict(self.__dict__)
+        out["saves_per_decode_token"] = self.saves_per_decode_token
+        return out
+
+
 @dataclass
 class StepLog:
     """Per-step records of one system's run, appended by the engine."""
@@ -178,6 +212,7 @@ class SystemMetrics:
     series_token: npt.NDArray[np.int64] = field(repr=False, compare=False)  # slots per step
     series_held: npt.NDArray[np.int64] = field(repr=False, compare=False)
     prefix: PrefixReuse | None = None  # paged systems: prompt tokens served from the cache
+    state: StateUse | None = None  # the hybrid system of a recurrent model: its state group
 
     def share(self, part: MemoryPart) -> float:
         """The mean share of the KV memory in `part`."""
@@ -206,6 +241,7 @@ class SystemMetrics:
             "decode_seconds": self.decode_seconds,
             "bound_seqs": self.bound_seqs,
             **({"prefix": self.prefix.as_dict()} if self.prefix is not None else {}),
+            **({"state": self.state.as_dict()} if self.state is not None else {}),
         }
 
 

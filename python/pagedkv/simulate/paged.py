@@ -135,6 +135,7 @@ class PagedBase(ABC):
         self._seqs: dict[int, list[int]] = {}  # request index -> live sequence ids
         self._next_seq = 0
         self._reuse = [0, 0, 0]  # query, hit, full-group tokens
+        self.decode_tokens = 0  # tokens stored by decode steps
 
     @abstractmethod
     def _fits(self, tokens: npt.NDArray[np.uint32]) -> bool:
@@ -148,6 +149,10 @@ class PagedBase(ABC):
     @abstractmethod
     def composition(self, running: Sequence[Active]) -> Composition:
         """Where the memory is now."""
+
+    def _stepped(self, plans: object, tokens: int) -> None:
+        """A decode step stored `tokens` tokens with these plans (subclasses count more)."""
+        self.decode_tokens += tokens
 
     @property
     def prefix_reuse(self) -> PrefixReuse:
@@ -177,10 +182,15 @@ class PagedBase(ABC):
             except OutOfBlocks:
                 return None
             seqs = [first]
-            for _ in range(active.width - 1):  # the fork commits the prefill's forward pass
-                child = self._new_seq_id()
-                self._manager.fork(first, child)
-                seqs.append(child)
+            try:
+                for _ in range(active.width - 1):  # the fork commits the prefill's forward pass
+                    child = self._new_seq_id()
+                    self._manager.fork(first, child)
+                    seqs.append(child)
+            except OutOfBlocks:  # no state slot for a child: wait, holding nothing
+                for seq in seqs:
+                    self._manager.free(seq)
+                return None
             self._seqs[active.index] = seqs
             return computed
         # Recompute after preemption: each sequence is rebuilt from the prompt and its own
@@ -216,8 +226,12 @@ class PagedBase(ABC):
                 continue
             parent = int(self._rng.integers(len(old)))
             if parent != slot:
-                seqs[slot] = self._new_seq_id()
-                self._manager.fork(old[parent], seqs[slot])
+                child = self._new_seq_id()
+                try:
+                    self._manager.fork(old[parent], child)
+                except OutOfBlocks:  # no state slot for the fork: the beam keeps its own
+                    continue
+                seqs[slot] = child
         for before, after in zip(old, seqs, strict=True):
             if before != after:
                 self._manager.free(before)
@@ -233,7 +247,8 @@ class PagedBase(ABC):
             rows = [(a.index, s, a.length) for a in batch for s in self._seqs[a.index]]
             index, ids, positions = np.array(rows, dtype=np.int64).reshape(-1, 3).T.copy()
             try:
-                self._manager.step(ids, self._prompt.generated(index, ids, positions))
+                plans = self._manager.step(ids, self._prompt.generated(index, ids, positions))
+                self._stepped(plans, len(ids))
                 if self._after_step is not None:
                     self._after_step()
                 return preempted

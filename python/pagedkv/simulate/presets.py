@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,12 +50,33 @@ class ChatTracePreset:
     source: str
 
 
+def gated_deltanet_state_bytes(
+    *,
+    num_key_heads: int,
+    num_value_heads: int,
+    key_head_dim: int,
+    value_head_dim: int,
+    conv_kernel: int,
+    dtype_bytes: int,
+) -> int:
+    """Bytes of one sequence's state in one Gated DeltaNet layer, as transformers' cache of
+    Qwen3-Next holds it (`LinearAttentionLayer`, `Qwen3NextGatedDeltaNet`): a conv state of
+    (2 x key heads x key dim + value heads x value dim) channels x `conv_kernel` positions,
+    and a recurrent state of value heads x key dim x value dim."""
+    conv = (2 * num_key_heads * key_head_dim + num_value_heads * value_head_dim) * conv_kernel
+    recurrent = num_value_heads * key_head_dim * value_head_dim
+    return (conv + recurrent) * dtype_bytes
+
+
 @dataclass(frozen=True)
 class ModelPreset:
     """A model as the simulator sees it: KV bytes per token, weight bytes and context length.
 
     `kv_layout` is per-head K and V (`NHD`) or MLA's latent of `head_dim` plus `rope_dim`.
     `attention` gives each layer's attention (empty: every layer is full attention).
+    `num_layers` counts the layers with a KV cache; a hybrid recurrent model (Mamba, linear
+    attention) also has `num_state_layers` layers whose fixed-size states take `state_bytes`
+    per sequence, all of them together.
     """
 
     name: str
@@ -69,12 +91,41 @@ class ModelPreset:
     rope_dim: int = 0
     kv_dtype_bytes: int = 2  # 1 for a float8 KV cache
     attention: tuple[Attention, ...] = ()
+    num_state_layers: int = 0
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.attention and len(self.attention) != self.num_layers:
             raise ConfigError(
                 f"{self.name}: {len(self.attention)} layer attentions for {self.num_layers} layers"
             )
+        if (self.num_state_layers > 0) != (self.state_bytes > 0):
+            raise ConfigError(
+                f"{self.name}: {self.num_state_layers} recurrent layers with a state of "
+                f"{self.state_bytes} bytes (both or neither)"
+            )
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some layers keep a recurrent state instead of a KV cache."""
+        return self.state_bytes > 0
+
+    @property
+    def state_token_slots(self) -> float:
+        """One sequence's recurrent state in token slots of the KV layers (its bytes over the
+        KV bytes of a token), the unit the simulator reports memory in."""
+        return self.state_bytes / self.kv_bytes_per_token
+
+    def full_attention_everywhere(self) -> ModelPreset:
+        """The same model with a full-attention layer, like its own, for each recurrent one."""
+        return dataclasses.replace(
+            self,
+            name=f"{self.name} with full attention everywhere",
+            num_layers=self.num_layers + self.num_state_layers,
+            attention=(),
+            num_state_layers=0,
+            state_bytes=0,
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -104,8 +155,9 @@ class ModelPreset:
     def needed_slots(self, lengths: npt.NDArray[np.int64], block_size: int) -> float:
         """Token slots (one token of every layer) that sequences of `lengths` tokens need if
         each layer holds exactly what its queries can still read: full attention every
-        token, a window W min(len, W + block_size) tokens, a chunk C the current chunk's."""
-        total = 0.0
+        token, a window W min(len, W + block_size) tokens, a chunk C the current chunk's; and
+        each sequence's recurrent state (`state_token_slots`)."""
+        total = len(lengths) * self.state_token_slots * self.num_layers
         for attention in set(self.layers):
             count = self.layers.count(attention)
             if attention.window is not None:
@@ -288,6 +340,29 @@ MODELS: dict[str, ModelPreset] = {
                         "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)],
                     }
                 )
+            ),
+        ),
+        ModelPreset(
+            "qwen3-next-80b",
+            12,
+            2,
+            256,
+            80e9,
+            262144,
+            "huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json (48 layers, "
+            "full_attention_interval 4: 12 full-attention layers with 2 KV heads of head_dim "
+            "256, 36 Gated DeltaNet layers with 16 key and 32 value heads of 128, conv kernel "
+            "4; about 80B parameters, 3B active; the states in bf16, the model's dtype, in "
+            "which transformers' LinearAttentionLayer cache keeps them)",
+            num_state_layers=36,
+            state_bytes=36
+            * gated_deltanet_state_bytes(
+                num_key_heads=16,
+                num_value_heads=32,
+                key_head_dim=128,
+                value_head_dim=128,
+                conv_kernel=4,
+                dtype_bytes=2,
             ),
         ),
     )

@@ -45,6 +45,8 @@ def _header(result: SimulationResult, arrivals: str) -> list[str]:
     )
     if any(key not in ("paged", "hybrid") for key in c.systems):
         model_line += f"; contiguous regions placed by {c.allocator} allocation"
+    if c.model.has_state:
+        model_line += " (the hybrid system's pages and state slots share it: see below)"
     t = c.timing
     timing_line = (
         f"step time: decode reads at {t.bandwidth_fraction:.1%} of {t.bandwidth / 1e12:.4g} TB/s, "
@@ -98,8 +100,10 @@ def format_table(result: SimulationResult) -> str:
                 )
     if shared:
         out += ["", *_prefix_lines(result)]
-    if result.config.model.is_hybrid:
+    if result.config.model.is_hybrid or result.config.model.has_state:
         out += ["", *_hybrid_lines(result)]
+    if result.config.model.has_state:
+        out += ["", *_state_lines(result)]
     out += ["", *textwrap.wrap(LEGEND, width=100)]
     return "\n".join(out)
 
@@ -125,13 +129,14 @@ def _hybrid_lines(result: SimulationResult) -> list[str]:
         f"hybrid groups: {groups.num_groups} groups of {groups.layers_per_group} layers "
         f"({kinds}); {groups.padding_layers} padding slots; pages of {page / 2**20:.3g} MiB",
         f"prefill in chunks of {result.config.prefill_chunk} tokens in the hybrid system "
-        "(the uniform one holds every block of every layer anyway)",
+        f"(the {'full-attention' if model.has_state else 'uniform'} one holds every block of "
+        "every layer anyway)",
     ]
     out += textwrap.wrap(
         "bound: the mean batch if every running sequence held exactly what its layers' "
         "queries can still read (full attention: every token; sliding window W: min(len, "
-        "W + block) tokens; chunked C: the current chunk), with no pages and no padding: per "
-        "step, running sequences x KV memory / their needs.",
+        "W + block) tokens; chunked C: the current chunk; a recurrent model: its state), with "
+        "no pages and no padding: per step, running sequences x KV memory / their needs.",
         width=100,
     )
     hybrid, uniform = _metrics(result, "hybrid"), _metrics(result, "paged")
@@ -141,11 +146,67 @@ def _hybrid_lines(result: SimulationResult) -> list[str]:
             f"{hybrid.mean_seqs / hybrid.bound_seqs:.1%} of the bound"
         )
     if hybrid is not None and uniform is not None and uniform.mean_seqs > 0:
+        baseline = "full-attention" if model.has_state else "uniform"
         out.append(
-            f"  hybrid / uniform paged mean batch, same KV memory: "
+            f"  hybrid / {baseline} paged mean batch, same KV memory: "
             f"{hybrid.mean_seqs / uniform.mean_seqs:.2f}x ({hybrid.mean_seqs:.2f} / "
             f"{uniform.mean_seqs:.2f})"
         )
+    return out
+
+
+def _state_lines(result: SimulationResult) -> list[str]:
+    """The state group's split of the memory, its checkpoint policy and counters, and the
+    hybrid system's prefix hit rate against the model with full attention everywhere."""
+    c = result.config
+    model = c.model
+    slots = c.num_state_slots
+    config = c.state_config()
+    budget = config.max_checkpoints if config is not None else 0
+    state_memory = slots * model.state_bytes
+    full = c.system_model("paged")
+    out = textwrap.wrap(
+        f"state group: {model.num_state_layers} recurrent layers, {model.state_bytes / 2**20:.4g}"
+        f" MiB of state per sequence (= {model.state_token_slots:,.0f} token slots of KV); "
+        f"{slots} state slots take {state_memory / 1e9:.2f} GB ({c.state_memory:g} of the "
+        f"memory, --state-memory), the pages the rest; each live sequence holds one, "
+        f"checkpoints at most {budget} (half the "
+        f"slots); checkpoints at prompt ends, branch points and "
+        + (f"every {c.interval} tokens" if c.interval else "no interval")
+        + f" (the last {c.checkpoints_per_sequence} of a sequence kept)",
+        width=100,
+    )
+    out.append(
+        f"full-attention paged: the same model with its {model.num_state_layers} recurrent "
+        f"layers as full attention ({full.kv_bytes_per_token / 1024:g} KiB KV per token) in "
+        "the same memory"
+    )
+    hybrid, paged = _metrics(result, "hybrid"), _metrics(result, "paged")
+    state = hybrid.state if hybrid is not None else None
+    if state is not None:
+        out += [
+            f"  checkpoints held: mean {state.mean_checkpoints:.1f}, peak "
+            f"{state.peak_checkpoints} of {state.max_checkpoints}; saved {state.saved:,}, "
+            f"evicted {state.evictions:,}, dropped {state.dropped:,}, skipped {state.skipped:,}",
+            f"  state copies: {state.decode_saves:,} checkpoint saves in decode, "
+            f"{state.saves_per_decode_token:.4f} per decode token; {state.hit_copies:,} hits "
+            "copied a checkpoint into a working slot",
+            f"  prompt tokens the checkpoints alone could serve {state.allowed_tokens:,}; "
+            f"served by every group {state.hit_tokens:,}",
+        ]
+    if hybrid is not None and hybrid.prefix is not None:
+        p = hybrid.prefix
+        group = p.hit_tokens / p.full_group_tokens if p.full_group_tokens else 1.0
+        out.append(
+            f"  hybrid hits / its full-attention layers' cached prefixes: {group:.1%} "
+            f"({p.hit_rate:.1%} / {p.full_group_rate:.1%} of prompt tokens)"
+        )
+        if paged is not None and paged.prefix is not None and paged.prefix.hit_tokens:
+            rate = paged.prefix.hit_rate
+            out.append(
+                f"  hybrid hit rate / full attention everywhere: {p.hit_rate / rate:.1%} "
+                f"({p.hit_rate:.1%} / {rate:.1%} of prompt tokens)"
+            )
     return out
 
 
