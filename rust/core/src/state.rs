@@ -151,6 +151,15 @@ pub(crate) struct StateRow {
     pub(crate) end: usize,
 }
 
+/// Orders one row's `(row, tokens, slot)` saves by `tokens`.
+fn sort_saves(saves: &mut [i32]) {
+    let mut triples: Vec<[i32; 3]> = saves.chunks_exact(3).map(|t| [t[0], t[1], t[2]]).collect();
+    triples.sort_unstable_by_key(|t| t[1]);
+    for (dst, t) in saves.chunks_exact_mut(3).zip(triples) {
+        dst.copy_from_slice(&t);
+    }
+}
+
 /// The state pool.
 pub(crate) struct StateCache {
     config: StateConfig,
@@ -410,6 +419,7 @@ impl StateCache {
         resets.extend(self.resets.drain(..).map(|slot| slot as i32));
         for (row, r) in rows.iter().enumerate() {
             slots.push(self.seqs[&r.seq].working as i32);
+            let row_saves = saves.len();
             for point in self.points(r) {
                 let Some(slot) = self.take_checkpoint_slot() else {
                     self.stats.skipped += 1;
@@ -421,23 +431,29 @@ impl StateCache {
                 s.saving.push((point, slot));
                 saves.extend([row as i32, (point - r.start) as i32, slot as i32]);
             }
+            sort_saves(&mut saves[row_saves..]);
         }
     }
 
-    /// The checkpoint points a row's query passes: block boundaries in `start + 1..=end` at
-    /// the prompt's end, its branch point or a multiple of the interval, not being saved
-    /// already.
+    /// The checkpoint points a row's query passes (block boundaries in `start + 1..=end`), most
+    /// valuable first: the prompt's end and the branch point, then the last
+    /// `checkpoints_per_sequence` multiples of the interval (the cap would drop any earlier
+    /// one at once); none the sequence is saving already.
     fn points(&self, r: &StateRow) -> Vec<usize> {
         let s = &self.seqs[&r.seq];
         let (bs, interval) = (self.block_size, self.config.checkpoint_interval as usize);
         let first = (r.start / bs + 1) * bs;
-        (first..=r.end)
-            .step_by(bs)
-            .filter(|&p| {
-                p == s.prompt_point || p == s.branch || (interval > 0 && p.is_multiple_of(interval))
-            })
-            .filter(|&p| !s.saving.iter().any(|&(q, _)| q == p))
-            .collect()
+        let marked = [s.prompt_point, s.branch].into_iter().filter(|&p| p >= first && p <= r.end);
+        let intervals = (interval > 0)
+            .then(|| (first..=r.end).rev().filter(|p| p.is_multiple_of(interval)))
+            .into_iter()
+            .flatten()
+            .filter(|&p| p != s.prompt_point && p != s.branch)
+            .take(self.config.checkpoints_per_sequence as usize);
+        let mut points: Vec<usize> = marked.chain(intervals).collect();
+        points.dedup();
+        points.retain(|&p| p > 0 && !s.saving.iter().any(|&(q, _)| q == p));
+        points
     }
 
     /// A slot for a new checkpoint within the budget: free, or the oldest checkpoint's.
@@ -482,6 +498,7 @@ impl StateCache {
             point > computed
         });
         let (prompt_point, branch) = (s.prompt_point, s.branch);
+        done.sort_unstable();
         for (point, slot) in done {
             self.num_saving -= 1;
             match prefix(point).filter(|p| !self.map.contains_key(&p.key)) {
