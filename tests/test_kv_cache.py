@@ -96,7 +96,7 @@ def test_write_validates() -> None:
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         cache.write(0, k, k, np.array([0, 4], dtype=np.int32))
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        cache.write(0, k, k, np.array([-1, 0], dtype=np.int32))
+        cache.write(0, k, k, np.array([-2, 0], dtype=np.int32))
     with pytest.raises(ValueError, match="2 slots for 3 tokens"):
         cache.write(0, torch.zeros(3, 1, 2), torch.zeros(3, 1, 2), slots)
     with pytest.raises(ValueError, match="k must have shape"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -235,4 +236,38 @@ def test_state_refusals_name_the_call() -> None:
     with pytest.raises(ValueError, match="no state group"):
         HybridManager(64, 4, [Attention.full()]).state_stats()
     assert mgr.num_tokens(1) == 5
+    mgr.check()
+
+
+def test_a_state_recompute_writes_no_cached_kv() -> None:
+    """A prompt whose KV is cached further than its state's checkpoint: the KV groups reuse it,
+    the plan recomputes the state from the checkpoint with slot -1 over the cached KV, and
+    `KVCache.write` leaves those blocks as they are."""
+    torch = pytest.importorskip("torch")
+    from pagedkv import KVCache
+
+    mgr = HybridManager(64, 4, [Attention.full()], state=StateConfig(4, max_checkpoints=2))
+    cache = KVCache(1, 64, 4, 1, 2, dtype=torch.float32)
+    first = list(range(10))
+    mgr.allocate(1, first)
+    plan = mgr.plan([1], [10])[0]
+    cache.write(0, torch.ones(10, 1, 2), torch.ones(10, 1, 2), plan)
+    for t in (50, 51, 52):  # the KV grows past the prompt's checkpoint at 8
+        plan = mgr.step([1], [t])[0]
+        cache.write(0, torch.ones(1, 1, 2), torch.ones(1, 1, 2), plan)
+    history = [*first, 50, 51, 52]
+    mgr.free(1)
+    before = cache.layer(0).clone()
+    prompt = [*history, 70, 71]
+    assert mgr.allocate(2, prompt) == 8  # the state resumes at the prompt's checkpoint
+    assert mgr.stats(0).prefix_hit_tokens == 12  # the KV at 12 (3 computed full blocks)
+    plan = mgr.plan([2], [len(prompt) - 8])[0]
+    assert plan.slot_mapping.tolist()[:4] == [-1] * 4
+    assert (plan.slot_mapping[4:] >= 0).all()
+    cache.write(0, torch.full((7, 1, 2), 9.0), torch.full((7, 1, 2), 9.0), plan)
+    table = mgr.block_table(2, 0).tolist()
+    assert torch.equal(cache.layer(0)[table[:3]], before[table[:3]])
+    assert (cache.layer(0)[table[3]][:, :, 1:] == 9.0).all()
+    with pytest.raises(ValueError, match="-1"):
+        cache.slot_tensor(np.array([-2, 0]))
     mgr.check()

@@ -52,12 +52,22 @@ class SlotIndex:
     """A step's slots on the cache's device: their blocks and offsets, and the NHD rows.
 
     Seen as rows of `[num_kv_heads, head_dim]`, block `b` of an NHD layer holds its K tokens in
-    rows `2 * b * block_size ..` and its V tokens in the `block_size` rows after them.
+    rows `2 * b * block_size ..` and its V tokens in the `block_size` rows after them. A slot of
+    -1 marks a token whose KV is cached already (a state group recomputing its state over a KV
+    hit): `slots` are the others', `kept` their token indices (None when every token writes).
     """
 
-    def __init__(self, slots: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        slots: torch.Tensor,
+        block_size: int,
+        kept: torch.Tensor | None = None,
+        num_tokens: int | None = None,
+    ) -> None:
         self.slots = slots
         self.block_size = block_size
+        self.kept = kept
+        self.num_tokens = slots.shape[0] if num_tokens is None else num_tokens
         self.block = torch.div(slots, block_size, rounding_mode="floor")
         self.offset = slots - self.block * block_size
         self.k_rows = self.block * block_size + slots  # 2 * block * bs + slot % bs
@@ -224,12 +234,21 @@ class KVCache:
             raise ValueError(
                 f"slot_mapping must be a 1-D integer array, got {arr.dtype} {arr.shape}"
             )
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.num_slots):
+        if arr.size and (int(arr.min()) < -1 or int(arr.max()) >= self.num_slots):
             raise ValueError(
-                f"slot_mapping values must lie in [0, {self.num_slots}), "
+                f"slot_mapping values must lie in [0, {self.num_slots}) (or be -1: cached), "
                 f"got [{int(arr.min())}, {int(arr.max())}]"
             )
-        return SlotIndex(upload_ints(arr.astype(np.int64), self.device), self.block_size)
+        arr = arr.astype(np.int64)
+        if not arr.size or int(arr.min()) >= 0:
+            return SlotIndex(upload_ints(arr, self.device), self.block_size)
+        kept = np.flatnonzero(arr >= 0)
+        return SlotIndex(
+            upload_ints(arr[kept], self.device),
+            self.block_size,
+            kept=upload_ints(kept, self.device),
+            num_tokens=arr.size,
+        )
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: Slots | SlotIndex) -> None:
         """Store new tokens' `k` and `v` (`[tokens, num_kv_heads, head_dim]`) at their slots.
@@ -249,6 +268,8 @@ class KVCache:
                     f"got {tuple(t.shape)}"
                 )
         index = self._write_index(slots, k, v)
+        if index.kept is not None:
+            k, v = k.index_select(0, index.kept), v.index_select(0, index.kept)
         k_scale, v_scale = self._scales[layer] if self._scales else (1.0, 1.0)
         k, v = self._stored(k, k_scale), self._stored(v, v_scale)
         t = _raw(self.layer(layer))
@@ -272,6 +293,8 @@ class KVCache:
             if t.dim() != 2 or t.shape[1] != width:
                 raise ValueError(f"{name} must have shape [tokens, {width}], got {tuple(t.shape)}")
         index = self._write_index(slots, latent, rope)
+        if index.kept is not None:
+            latent, rope = latent.index_select(0, index.kept), rope.index_select(0, index.kept)
         latent_scale, rope_scale = self._scales[layer] if self._scales else (1.0, 1.0)
         row = torch.cat([self._stored(latent, latent_scale), self._stored(rope, rope_scale)], 1)
         rows = _raw(self.layer(layer)).view(-1, row.shape[1])
@@ -290,8 +313,8 @@ class KVCache:
         if a.shape[0] != b.shape[0]:
             raise ValueError(f"{a.shape[0]} tokens in one part but {b.shape[0]} in the other")
         index = self.slot_tensor(slots)
-        if index.slots.shape[0] != a.shape[0]:
-            raise ValueError(f"{index.slots.shape[0]} slots for {a.shape[0]} tokens")
+        if index.num_tokens != a.shape[0]:
+            raise ValueError(f"{index.num_tokens} slots for {a.shape[0]} tokens")
         return index
 
     def _stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:

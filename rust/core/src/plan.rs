@@ -31,7 +31,8 @@ pub struct Plan {
     pub kv_last_page_len: Vec<i32>,
     /// `[B + 1]` offsets of each sequence's query tokens.
     pub qo_indptr: Vec<i32>,
-    /// `[num_query_tokens]` KV slot of each new token.
+    /// `[num_query_tokens]` KV slot of each new token; -1 for a token whose KV is cached
+    /// already (a state group recomputing its state over a KV hit): write nothing for it.
     pub slot_mapping: Vec<i32>,
     /// `[num_query_tokens]` position of each new token in its sequence.
     pub positions: Vec<i32>,

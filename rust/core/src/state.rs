@@ -130,6 +130,9 @@ struct SeqState {
     prompt_point: usize,
     /// Where the sequence branched off a cached prefix its state could not resume (0: none).
     branch: usize,
+    /// The tokens the working state holds once the passes planned so far have run: the next
+    /// plan's queries start there.
+    resume: usize,
     /// Saves of planned passes: (tokens the state is after, slot).
     saving: Vec<(usize, SlotId)>,
     /// The interval checkpoints this sequence registered, oldest first.
@@ -247,15 +250,16 @@ impl StateCache {
     }
 
     /// Admits `seq` (checked by [`StateCache::check_available`]): its working slot starts from
-    /// the checkpoint under `hit` (copied by the next plan) or reset. `branch` is where the KV
-    /// groups could have resumed it: a checkpoint is saved there, so the next prompt that
-    /// branches off at the same point resumes from it.
+    /// the checkpoint under `hit`, of the first `resume` tokens (copied by the next plan), or
+    /// reset. `branch` is where the KV groups could have resumed it: a checkpoint is saved
+    /// there, so the next prompt that branches off at the same point resumes from it.
     pub(crate) fn admit(
         &mut self,
         seq: SeqId,
         hit: Option<MapKey>,
         prompt_len: usize,
         branch: usize,
+        resume: usize,
     ) {
         let source = hit.map(|key| self.pin(key));
         let working = self.take_slot().expect("checked available");
@@ -264,14 +268,21 @@ impl StateCache {
             Some(src) => self.copies.push([src, working]),
             None => self.resets.push(working),
         }
-        self.seqs
-            .insert(seq, self.new_seq(working, prompt_len, branch));
+        let state = self.new_seq(working, prompt_len, branch, resume);
+        self.seqs.insert(seq, state);
     }
 
-    fn new_seq(&self, working: SlotId, prompt_len: usize, branch: usize) -> SeqState {
+    fn new_seq(
+        &self,
+        working: SlotId,
+        prompt_len: usize,
+        branch: usize,
+        resume: usize,
+    ) -> SeqState {
         SeqState {
             working,
             branch,
+            resume,
             prompt_point: prompt_len / self.block_size * self.block_size,
             saving: Vec::new(),
             kept: VecDeque::new(),
@@ -324,7 +335,7 @@ impl StateCache {
     /// copy reads a slot a queued operation writes.
     pub(crate) fn fork(&mut self, parent: SeqId, child: SeqId) {
         let p = &self.seqs[&parent];
-        let (src, prompt_point, branch) = (p.working, p.prompt_point, p.branch);
+        let (src, prompt_point, branch, resume) = (p.working, p.prompt_point, p.branch, p.resume);
         let working = self.take_slot().expect("checked available");
         self.slots[working as usize] = Slot::Working(child);
         if self.resets.contains(&src) {
@@ -337,8 +348,8 @@ impl StateCache {
             }
             self.copies.push([source, working]);
         }
-        let mut state = self.new_seq(working, 0, 0);
-        (state.prompt_point, state.branch) = (prompt_point, branch);
+        let mut state = self.new_seq(working, 0, branch, resume);
+        state.prompt_point = prompt_point;
         self.seqs.insert(child, state);
     }
 
@@ -418,7 +429,9 @@ impl StateCache {
         }
         resets.extend(self.resets.drain(..).map(|slot| slot as i32));
         for (row, r) in rows.iter().enumerate() {
-            slots.push(self.seqs[&r.seq].working as i32);
+            let s = self.seqs.get_mut(&r.seq).expect("planned rows are live");
+            s.resume = r.end;
+            slots.push(s.working as i32);
             let row_saves = saves.len();
             for point in self.points(r) {
                 let Some(slot) = self.take_checkpoint_slot() else {
@@ -443,7 +456,9 @@ impl StateCache {
         let s = &self.seqs[&r.seq];
         let (bs, interval) = (self.block_size, self.config.checkpoint_interval as usize);
         let first = (r.start / bs + 1) * bs;
-        let marked = [s.prompt_point, s.branch].into_iter().filter(|&p| p >= first && p <= r.end);
+        let marked = [s.prompt_point, s.branch]
+            .into_iter()
+            .filter(|&p| p >= first && p <= r.end);
         let intervals = (interval > 0)
             .then(|| (first..=r.end).rev().filter(|p| p.is_multiple_of(interval)))
             .into_iter()
@@ -556,6 +571,18 @@ impl StateCache {
             self.map.remove(&c.key);
             self.release(slot);
         }
+    }
+
+    /// Fails unless a pass of `seq` whose queries start at token `start` continues its state.
+    pub(crate) fn check_resume(&self, seq: SeqId, start: usize) -> Result<(), Error> {
+        let resume = self.seqs[&seq].resume;
+        if start != resume {
+            return Err(invalid(format!(
+                "sequence {seq}: with a state group a pass starts where its state ends (token \
+                 {resume}), not at {start}"
+            )));
+        }
+        Ok(())
     }
 
     /// The sequence's working slot.

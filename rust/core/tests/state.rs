@@ -44,8 +44,8 @@ fn with_message(message: u32) -> Vec<u32> {
 }
 
 /// A 900-token system prompt, then different user messages: the first request saves a
-/// checkpoint at its prompt end, the second recomputes (the KV is cached, the state is not)
-/// and saves one where it branched off, at 896 tokens; every later request resumes there.
+/// checkpoint at its prompt end, the second recomputes the state over the cached KV and saves
+/// one where it branched off, at 896 tokens; every later request resumes there.
 #[test]
 fn requests_after_the_second_resume_from_the_branch_point() {
     let mgr = manager(512, state(8, 4));
@@ -60,8 +60,15 @@ fn requests_after_the_second_resume_from_the_branch_point() {
     assert_eq!(plan.state_saves[..2], [0, 928]);
     mgr.free(1).unwrap();
 
+    let kv_hits = mgr.stats(0).unwrap().prefix_hit_tokens;
     let (reused, plan) = prefill(&mgr, 2, &with_message(2));
     assert_eq!(reused, 0, "no checkpoint at the branch point yet");
+    // The KV of the shared 896 tokens is reused all the same: the pass recomputes the state
+    // over it and writes no KV there (slot -1), then registers its own blocks under it.
+    assert_eq!(mgr.stats(0).unwrap().prefix_hit_tokens - kv_hits, 896);
+    assert_eq!(plan.positions.len(), 940);
+    assert!(plan.slot_mapping[..896].iter().all(|&slot| slot == -1));
+    assert!(plan.slot_mapping[896..].iter().all(|&slot| slot >= 0));
     // Saves at the branch point (896) and at the prompt end (928).
     let saves: Vec<i32> = plan.state_saves.chunks(3).map(|s| s[1]).collect();
     assert_eq!(saves, vec![896, 928]);
@@ -363,4 +370,36 @@ fn a_plan_must_start_where_the_planned_tokens_end() {
         vec![mgr.state_slot(1).unwrap() as i32]
     );
     mgr.check().unwrap();
+}
+
+/// A next turn whose state resumes before its KV hit (no checkpoint where the KV ends) reuses
+/// the KV all the same, so its blocks extend the cached chain exactly as without a state group
+/// (recomputing the KV instead would duplicate cached blocks, and a duplicate's sequence
+/// registers nothing after it: SEMANTICS.md, "One tree").
+#[test]
+fn a_state_recompute_reuses_and_extends_the_cached_kv() {
+    let run = |state: Option<StateConfig>| {
+        let mut config = Config::new(1000, BS);
+        config.hash_key = Some([5; 32]);
+        let mgr = HybridManager::with_state(config, &[Attention::Full], state).unwrap();
+        prefill(&mgr, 1, &(0..100).collect::<Vec<u32>>());
+        let mut plans = vec![Plan::new()];
+        for t in 0..40 {
+            mgr.step(&[1], &[500 + t], &mut plans).unwrap();
+        }
+        let mut next = mgr.tokens(1).unwrap();
+        mgr.free(1).unwrap();
+        next.extend(900..960);
+        let kv_before = mgr.stats(0).unwrap().prefix_hit_tokens;
+        let (reused, plan) = prefill(&mgr, 2, &next);
+        let kv_hit = mgr.stats(0).unwrap().prefix_hit_tokens - kv_before;
+        let unwritten = plan.slot_mapping.iter().filter(|&&slot| slot == -1).count();
+        let stored = mgr.stored_hashes(pagedkv::PoolKind::Gpu).len();
+        (reused, kv_hit, unwritten, stored)
+    };
+    // The first turn's 139 computed tokens left 8 full blocks: the KV hit is 128 tokens.
+    assert_eq!(run(None), (128, 128, 0, 12));
+    // The state's checkpoint is at the first prompt's end (96): it recomputes 96..128 over
+    // the cached KV (those 32 slots -1), and all 12 blocks are cached after.
+    assert_eq!(run(Some(state(8, 4))), (96, 128, 32, 12));
 }

@@ -211,7 +211,8 @@ impl Plan {
     fn qo_indptr(this: &Bound<'_, Self>) -> Py<PyAny> {
         Plan::array(this, Field::QoIndptr)
     }
-    /// `[num_query_tokens]` int32 KV slot of each new token.
+    /// `[num_query_tokens]` int32 KV slot of each new token; -1 where the KV is cached already
+    /// (a state group recomputing its state over a KV hit): write nothing there.
     #[getter]
     fn slot_mapping(this: &Bound<'_, Self>) -> Py<PyAny> {
         Plan::array(this, Field::SlotMapping)

@@ -167,17 +167,15 @@ impl HybridManager {
         let mut prompts: Vec<Admission> = (self.groups.iter())
             .map(|g| g.hash_prompt(tokens, &keys))
             .collect();
-        let (hit, kv_hit, allowed, tables) = loop {
+        let (hits, allowed, tables) = loop {
             // Each group's own longest hit, then the longest every group serves.
             let allowed: Vec<usize> = (self.groups.iter().zip(&mut prompts))
                 .map(|(g, p)| g.find_hits(p, tokens, hittable))
                 .collect();
             let lowest = allowed.iter().copied().min().expect("at least one group");
-            // The KV groups' common hit, then the one the state group also serves.
-            let kv_hit = self.common_hit(None, &mut prompts, tokens, lowest);
-            let hit = self.common_hit(held.as_deref(), &mut prompts, tokens, kv_hit);
+            let hits = self.hits(held.as_deref(), &mut prompts, tokens, lowest);
             if let Some(state) = held.as_ref() {
-                state.check_available(1, checkpoint_key(&prompts, hit))?;
+                state.check_available(1, checkpoint_key(&prompts, hits.resume))?;
             }
             let needed: usize = (self.groups.iter().zip(&prompts))
                 .map(|(g, p)| g.admission_needs(tokens, p))
@@ -202,16 +200,16 @@ impl HybridManager {
                 }
             }
             if tables.len() == self.groups.len() {
-                break (hit, kv_hit, allowed, tables);
+                break (hits, allowed, tables);
             }
         };
         let bs = self.groups[0].bs.get();
-        // What the state group alone allowed, and the checkpoint the hit resumes from.
+        // What the state group alone allowed, and the checkpoint the state resumes from.
         let resumed = held.as_ref().map(|state| {
             let state_allowed = (prompts[0].keys()).map_or(0, |(keys, root)| {
                 state.find_hit(keys, root, tokens, hittable)
             });
-            (state_allowed, checkpoint_key(&prompts, hit))
+            (state_allowed, checkpoint_key(&prompts, hits.resume))
         });
         let mut loads = Vec::with_capacity(self.groups.len());
         for (((g, p), (table, used)), allowed) in
@@ -219,16 +217,20 @@ impl HybridManager {
         {
             let needed = g.admission_needs(tokens, &p) - used;
             let mut one = g.seqs.lock_one(seq);
-            let admitted = (tokens, &keys, p, hit, allowed);
+            let admitted = (tokens, &keys, p, hits.kv, allowed);
             let (_, blocks) = g.admit_locked(&mut one, admitted, table, needed, loadable);
             loads.push(blocks);
         }
         if let (Some(state), Some((allowed, key))) = (held.as_mut(), resumed) {
-            state.count_lookup(allowed * bs, hit * bs);
-            let branch = if kv_hit > hit { kv_hit * bs } else { 0 };
-            state.admit(seq, key, tokens.len(), branch);
+            state.count_lookup(allowed * bs, hits.resume * bs);
+            let branch = if hits.common > hits.resume {
+                hits.common * bs
+            } else {
+                0
+            };
+            state.admit(seq, key, tokens.len(), branch, hits.resume * bs);
         }
-        Ok((hit * bs, loads))
+        Ok((hits.resume * bs, loads))
     }
 
     /// [`BlockManager::confirm_loads`] in every group (each loaded its first `loaded` blocks).
@@ -304,7 +306,7 @@ impl HybridManager {
     ) -> Result<(), Error> {
         self.one_plan_each(plans)?;
         let mut held = lock(&self.lock);
-        let mut prepared = match self.prepare_plans(seqs, query_lens, held.is_some()) {
+        let mut prepared = match self.prepare_plans(seqs, query_lens, held.as_deref()) {
             Ok(prepared) => prepared,
             Err(e) => {
                 for (g, plan) in self.groups.iter().zip(plans.iter_mut()) {
@@ -313,8 +315,20 @@ impl HybridManager {
                 return Err(e);
             }
         };
+        // Queries over KV that is cached already (a state recomputed over a KV hit) write none.
+        let cached: Vec<usize> = match held.as_deref() {
+            Some(_) => (0..seqs.len())
+                .map(|row| {
+                    let s = prepared[0].row(row);
+                    let start = s.tokens.len() - query_lens[row] as usize;
+                    s.planned.saturating_sub(start)
+                })
+                .collect(),
+            None => Vec::new(),
+        };
         for ((g, p), plan) in self.groups.iter().zip(&mut prepared).zip(plans.iter_mut()) {
             g.apply_plan(p, query_lens, plan);
+            skip_cached_writes(plan, &cached);
         }
         if let Some(state) = held.as_mut() {
             let g = &self.groups[0];
@@ -330,30 +344,23 @@ impl HybridManager {
         Ok(())
     }
 
-    /// Every group's first pass of `plan`. With a state group, each query must start where the
-    /// sequence's planned tokens end: the working state already holds the tokens before it, and
-    /// planning them again would apply them twice.
+    /// Every group's first pass of `plan`. With a state group, each query must start where
+    /// the sequence's state ends (its working state holds the tokens before it: they may be
+    /// neither skipped nor applied twice).
     fn prepare_plans(
         &self,
         seqs: &[SeqId],
         query_lens: &[u32],
-        stateful: bool,
+        state: Option<&StateCache>,
     ) -> Result<Vec<PreparedPlan<'_>>, Error> {
         let mut prepared = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
             prepared.push(g.prepare_plan(seqs, query_lens)?);
         }
-        if stateful {
+        if let Some(state) = state {
             for (row, (&seq, &q)) in seqs.iter().zip(query_lens).enumerate() {
                 let s = prepared[0].row(row);
-                let start = s.tokens.len() - q as usize;
-                if start != s.planned {
-                    return Err(invalid(format!(
-                        "query length {q} of sequence {seq}: with a state group a plan starts \
-                         where the planned tokens end (token {}), not at {start}",
-                        s.planned
-                    )));
-                }
+                state.check_resume(seq, s.tokens.len() - q as usize)?;
             }
         }
         Ok(prepared)
@@ -371,6 +378,12 @@ impl HybridManager {
         let mut prepared = Vec::with_capacity(self.groups.len());
         for (g, rows) in self.groups.iter().zip(rows.iter_mut()) {
             prepared.push(g.prepare_decode(rows, tokens, counts)?);
+        }
+        if let Some(state) = held.as_deref() {
+            for row in 0..rows[0].seqs().len() {
+                let (seq, place) = (rows[0].seqs()[row], rows[0].place(row));
+                state.check_resume(seq, prepared[0].at(place).tokens.len())?;
+            }
         }
         let needed = prepared.iter().map(|p| p.needed).sum();
         self.groups[0].reserve_gpu(needed)?;
@@ -585,16 +598,57 @@ impl HybridManager {
             .map(|g| g.hash_prompt(tokens, &keys))
             .collect();
         let state = held.as_deref();
-        let hit = self.common_hit(state, &mut prompts, tokens, hittable);
+        let hits = self.hits(state, &mut prompts, tokens, hittable);
         if let Some(state) = state {
             state
-                .check_available(1, checkpoint_key(&prompts, hit))
+                .check_available(1, checkpoint_key(&prompts, hits.resume))
                 .ok()?;
         }
+        let hit = hits.resume;
         let needed = (self.groups.iter().zip(&prompts))
             .map(|(g, p)| g.admission_needs(tokens, p))
             .sum();
         Some((hit, needed))
+    }
+
+    /// A prompt's hits of at most `upto` blocks, with each group's hits found for `kv`. With
+    /// full-attention KV groups the KV is reused up to their common hit and the state resumes
+    /// from its latest checkpoint at or before it (the engine recomputes the state over cached
+    /// KV); with windowed groups every group, the state's too, must serve the hit.
+    fn hits(
+        &self,
+        state: Option<&StateCache>,
+        prompts: &mut [Admission],
+        tokens: &[Token],
+        upto: usize,
+    ) -> Hits {
+        let common = self.common_hit(None, prompts, tokens, upto);
+        let Some(state) = state else {
+            return Hits {
+                common,
+                kv: common,
+                resume: common,
+            };
+        };
+        if self
+            .groups
+            .iter()
+            .all(|g| g.config.attention == Attention::Full)
+        {
+            let resume = (prompts[0].keys())
+                .map_or(0, |(keys, root)| state.find_hit(keys, root, tokens, common));
+            return Hits {
+                common,
+                kv: common,
+                resume,
+            };
+        }
+        let hit = self.common_hit(Some(state), prompts, tokens, common);
+        Hits {
+            common,
+            kv: hit,
+            resume: hit,
+        }
     }
 
     /// The longest hit of at most `upto` blocks every group serves, with each group's hits
@@ -735,6 +789,15 @@ fn checkpoint_key(prompts: &[Admission], hit: usize) -> Option<MapKey> {
     hit.checked_sub(1).map(|last| keys[last])
 }
 
+/// Sets the slots of each row's first `cached[row]` query tokens to -1: their KV is cached
+/// (rows past `cached` keep theirs).
+fn skip_cached_writes(plan: &mut Plan, cached: &[usize]) {
+    for (row, &n) in cached.iter().enumerate() {
+        let start = plan.qo_indptr[row] as usize;
+        plan.slot_mapping[start..start + n].fill(-1);
+    }
+}
+
 /// The state row of a sequence whose last `q` tokens are its query.
 fn state_row(seq: SeqId, s: &Sequence, q: usize) -> StateRow {
     let end = s.tokens.len();
@@ -766,4 +829,12 @@ impl BlockManager {
             })
         });
     }
+}
+
+/// A prompt's hits in blocks: what the KV groups serve together (`common`), what they take
+/// (`kv`) and where the state resumes (`resume`: the tokens reused, `resume <= kv <= common`).
+struct Hits {
+    common: usize,
+    kv: usize,
+    resume: usize,
 }
