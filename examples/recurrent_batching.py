@@ -438,6 +438,7 @@ def generate(
     num_slots: int = 16,
     max_checkpoints: int | None = None,
     checkpoint_interval: int = 0,
+    checkpoints_per_sequence: int = 1,
     prefill_chunk: int | None = None,
     backend: BackendName = "auto",
     device: torch.device | str | None = None,
@@ -446,7 +447,8 @@ def generate(
 
     `num_slots` state slots hold the running sequences' states and up to `max_checkpoints`
     checkpoints (default: what the running sequences leave); `checkpoint_interval` (a
-    multiple of `block_size`) also checkpoints every that many prompt tokens. `prefill_chunk`
+    multiple of `block_size`) also checkpoints every that many tokens, of which a sequence keeps
+    its last `checkpoints_per_sequence` (its prompt end counted). `prefill_chunk`
     caps the prompt tokens a sequence brings to one step. `device` defaults to the model's.
     """
     for req in requests:
@@ -456,7 +458,10 @@ def generate(
             )
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     state = StateConfig(
-        num_slots, max_checkpoints=max_checkpoints, checkpoint_interval=checkpoint_interval
+        num_slots,
+        max_checkpoints=max_checkpoints,
+        checkpoint_interval=checkpoint_interval,
+        checkpoints_per_sequence=checkpoints_per_sequence,
     )
     engine = _Engine(
         model,

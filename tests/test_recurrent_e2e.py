@@ -93,18 +93,24 @@ def test_greedy_tokens_equal_generate(model: torch.nn.Module, expected: list[lis
     ("options", "hit_tokens"),
     [
         ({"prefill_chunk": 5}, 8),  # chunks append to the prompt: points follow them
-        ({"checkpoint_interval": 8}, 20),  # request 2 resumes at 8, request 4 at 12
-        ({"num_slots": 4}, 4),  # too few slots to fork: the samples recompute
+        # Request 0 keeps 8 and its prompt end (16): request 2 resumes at 8, request 4 at 12.
+        ({"checkpoint_interval": 8, "checkpoints_per_sequence": 2}, 20),
+        ({"checkpoint_interval": 8}, 12),  # one kept: 16 replaces 8, request 2 recomputes
+        # Too few slots to fork (the samples recompute) or to keep checkpoints: saves skipped.
+        ({"num_slots": 4}, None),
     ],
 )
 def test_checkpoints_chunks_and_tight_slots(
     model: torch.nn.Module,
     expected: list[list[int]],
     options: dict[str, int],
-    hit_tokens: int,
+    hit_tokens: int | None,
 ) -> None:
     result = rb.generate(model, requests(), block_size=4, num_blocks=96, backend="torch", **options)
     check_tokens(result, expected)
+    if hit_tokens is None:
+        assert result.state.skipped > 0
+        return
     assert result.state.prefix_hit_tokens == hit_tokens
     assert sum(result.hits) >= hit_tokens
 

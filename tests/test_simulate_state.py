@@ -97,7 +97,7 @@ def test_memory_split_between_pages_and_state_slots() -> None:
     assert config.num_state_slots == 4 * 10**9 // 40_108_032 == 99
     state = config.state_config()
     assert state is not None
-    assert (state.num_slots, state.max_checkpoints) == (99, 49)
+    assert (state.num_slots, state.max_checkpoints) == (99, 98)
     assert (state.checkpoint_interval, state.checkpoints_per_sequence) == (16, 1)
     trace = [Request(100, 4)]
     hybrid = build_system("hybrid", trace, config)
@@ -287,8 +287,8 @@ def test_cli_prints_the_state_group(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_chat_under_pressure_evicts_checkpoints() -> None:
-    # 16 slots for 10 conversations' resume points and their prefills' saves: the budget of
-    # 8 checkpoints evicts; every hit still needs the full-attention group's blocks.
+    # 16 slots for 10 conversations' resume points, the running sequences and their saves:
+    # checkpoints are evicted; every hit still needs the full-attention group's blocks.
     trace = chat_trace(CHAT_TRACES["chat"], 60, max_len=QWEN.max_len, rate=INF, seed=0)
     config = SimulationConfig(
         QWEN, GPUS["H200"], kv_memory=1_300_000_000, systems=("hybrid", "paged")
@@ -298,6 +298,6 @@ def test_chat_under_pressure_evicts_checkpoints() -> None:
     hybrid = result.systems[0]
     assert hybrid.state is not None and hybrid.prefix is not None
     assert hybrid.state.evictions > 0 and hybrid.state.skipped > 0
-    assert hybrid.state.peak_checkpoints <= 8
+    assert hybrid.state.peak_checkpoints <= 15  # the slots no live sequence holds
     assert hybrid.prefix.hit_tokens <= hybrid.prefix.full_group_tokens
     assert hybrid.state.hit_tokens == hybrid.prefix.hit_tokens

@@ -170,10 +170,10 @@ def _state_lines(result: SimulationResult) -> list[str]:
         f" MiB of state per sequence (= {model.state_token_slots:,.0f} token slots of KV); "
         f"{slots} state slots take {state_memory / 1e9:.2f} GB ({c.state_memory:g} of the "
         f"memory, --state-memory), the pages the rest; each live sequence holds one, "
-        f"checkpoints at most {budget} (half the "
-        f"slots); checkpoints at prompt ends, branch points and "
+        f"checkpoints at most {budget} (any slot no live sequence holds; admissions evict "
+        f"them); checkpoints at prompt ends, branch points and "
         + (f"every {c.interval} tokens" if c.interval else "no interval")
-        + f" (the last {c.checkpoints_per_sequence} of a sequence kept)",
+        + f" (the last {c.checkpoints_per_sequence} of a sequence kept, branch points aside)",
         width=100,
     )
     out.append(

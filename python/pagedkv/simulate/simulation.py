@@ -193,9 +193,10 @@ class SimulationConfig:
         return int(self.state_memory * self.kv_memory) // self.model.state_bytes
 
     def state_config(self) -> StateConfig | None:
-        """The hybrid system's state group: `num_state_slots` slots, half of them at most
-        checkpoints (the core's default), checkpoints every `interval` tokens, the last
-        `checkpoints_per_sequence` of them kept per sequence (None without a slot)."""
+        """The hybrid system's state group: `num_state_slots` slots, any that no live sequence
+        holds free to keep a checkpoint (the core's default), checkpoints every `interval`
+        tokens, the last `checkpoints_per_sequence` of them kept per sequence (None without a
+        slot)."""
         if self.num_state_slots < 1:
             return None
         return StateConfig(

@@ -21,28 +21,29 @@ pub type SlotId = u32;
 
 /// How a hybrid manager keeps recurrent states: `num_slots` slots of the state pool (a working
 /// slot per live sequence; the rest hold checkpoints), of which at most `max_checkpoints` hold
-/// checkpoints. A checkpoint is saved at the last block boundary of each prompt and, with
-/// `checkpoint_interval` > 0 (a multiple of the block size), every that many tokens; a
-/// sequence keeps at most `checkpoints_per_sequence` of its interval checkpoints (its oldest
-/// are dropped first).
+/// checkpoints. A checkpoint is saved at the last block boundary of each prompt, where a prompt
+/// branched off a cached prefix and, with `checkpoint_interval` > 0 (a multiple of the block
+/// size), every that many tokens; a sequence keeps its last `checkpoints_per_sequence` (its
+/// branch point aside: other prompts branch there).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateConfig {
     /// Slots of the state pool.
     pub num_slots: u32,
     /// The most slots that hold checkpoints (the checkpoint budget).
     pub max_checkpoints: u32,
-    /// Tokens between interval checkpoints (0: prompt ends only).
+    /// Tokens between interval checkpoints (0: prompt ends and branch points only).
     pub checkpoint_interval: u32,
-    /// Interval checkpoints one sequence keeps along its path.
+    /// Checkpoints one sequence keeps along its path (its branch point aside).
     pub checkpoints_per_sequence: u32,
 }
 
 impl StateConfig {
-    /// `num_slots` slots, up to half of them checkpoints, saved at prompt ends only.
+    /// `num_slots` slots, any a live sequence does not hold a checkpoint (admissions evict
+    /// them), saved at prompt ends and branch points only.
     pub fn new(num_slots: u32) -> StateConfig {
         StateConfig {
             num_slots,
-            max_checkpoints: num_slots / 2,
+            max_checkpoints: num_slots.saturating_sub(1),
             checkpoint_interval: 0,
             checkpoints_per_sequence: 1,
         }
@@ -135,7 +136,7 @@ struct SeqState {
     resume: usize,
     /// Saves of planned passes: (tokens the state is after, slot).
     saving: Vec<(usize, SlotId)>,
-    /// The interval checkpoints this sequence registered, oldest first.
+    /// The checkpoints this sequence registered but its branch point's, oldest first.
     kept: VecDeque<(MapKey, SlotId)>,
 }
 
@@ -512,14 +513,14 @@ impl StateCache {
             }
             point > computed
         });
-        let (prompt_point, branch) = (s.prompt_point, s.branch);
+        let branch = s.branch;
         done.sort_unstable();
         for (point, slot) in done {
             self.num_saving -= 1;
             match prefix(point).filter(|p| !self.map.contains_key(&p.key)) {
                 Some(p) => {
                     self.register(slot, &p);
-                    if point != prompt_point && point != branch {
+                    if point != branch {
                         self.keep(seq, p.key, slot);
                     }
                 }
@@ -540,7 +541,7 @@ impl StateCache {
         self.stats.saved += 1;
     }
 
-    /// Counts an interval checkpoint against the sequence's cap, dropping its oldest beyond it.
+    /// Counts a checkpoint against the sequence's cap, dropping its oldest beyond it.
     fn keep(&mut self, seq: SeqId, key: MapKey, slot: SlotId) {
         let cap = self.config.checkpoints_per_sequence as usize;
         let s = self

@@ -57,7 +57,7 @@ impl StateConfig {
         self.inner.checkpoint_interval
     }
 
-    /// Interval checkpoints one sequence keeps along its path.
+    /// Checkpoints one sequence keeps along its path (its branch point aside).
     #[getter]
     fn checkpoints_per_sequence(&self) -> u32 {
         self.inner.checkpoints_per_sequence
