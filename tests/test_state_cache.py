@@ -322,3 +322,22 @@ def run_round(round_: int) -> tuple[int, int]:
             mgr.reset_prefix_cache()
         mgr.check()
     return int(mgr.state_stats().prefix_hit_tokens), engine.mid_query_saves // 2  # 2 layers
+
+
+def test_swap_copies_slots_to_another_cache_and_back() -> None:
+    gpu = StateCache(2, 4, [(3,), (2, 2)])
+    cpu = StateCache(2, 2, [(3,), (2, 2)])
+    for layer in range(2):
+        for t in gpu.layer(layer):
+            t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
+    gpu.swap(cpu, np.array([[3, 1]], dtype=np.int32))  # swap_out's state pairs
+    for layer in range(2):
+        for ours, theirs in zip(gpu.layer(layer), cpu.layer(layer), strict=True):
+            assert torch.equal(theirs[1], ours[3])
+            assert not theirs[0].any()
+    cpu.swap(gpu, np.array([[1, 0]], dtype=np.int32))  # swap_in's
+    assert torch.equal(gpu.layer(1)[1][0], gpu.layer(1)[1][3])
+    with pytest.raises(ValueError, match="different layers or states"):
+        gpu.swap(StateCache(1, 2, [(3,), (2, 2)]), np.zeros((0, 2), dtype=np.int32))
+    with pytest.raises(ValueError, match="out of range"):
+        gpu.swap(cpu, np.array([[0, 2]]))

@@ -62,10 +62,19 @@ class StateGroupMachine(RuleBasedStateMachine):
             max_checkpoints=num_slots // 2,
             checkpoint_interval=interval,
             checkpoints_per_sequence=cap,
+            num_cpu_slots=2,
         )
         self.mgr = HybridManager(
-            200, BLOCK, groups, watermark=0.0, auto_commit=auto_commit, state=state
+            200,
+            BLOCK,
+            groups,
+            num_cpu_blocks=200,
+            watermark=0.0,
+            auto_commit=auto_commit,
+            state=state,
         )
+        self.cpu = StateEngine(2)
+        self.swapped: dict[int, list[int]] = {}
         self.auto_commit = auto_commit
         self.engine = StateEngine(num_slots)
         self.engine.working = {}
@@ -150,9 +159,41 @@ class StateGroupMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
-        seq = data.draw(st.sampled_from(sorted(self.live)))
+        pool = sorted(self.live) + sorted(self.swapped)
+        seq = data.draw(st.sampled_from(pool))
         self.mgr.free(seq)
-        del self.live[seq]
+        self.live.pop(seq, None)
+        self.swapped.pop(seq, None)
+        self._refresh_slots()
+        self.batches = None
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.live)))
+        try:
+            pairs = self.mgr.swap_out([seq])
+        except (OutOfBlocks, ValueError):
+            return  # no CPU slot, or its state still queued: nothing changed
+        for gpu, cpu in pairs[-1].tolist():
+            self.cpu.slots[cpu] = list(self.engine.slots[gpu])
+        self.mgr.confirm_swap_out([seq])
+        self.swapped[seq] = self.live.pop(seq)
+        self._refresh_slots()
+        self.batches = None
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.swapped)))
+        try:
+            pairs = self.mgr.swap_in([seq])
+        except OutOfBlocks:
+            return
+        for cpu, gpu in pairs[-1].tolist():
+            self.engine.slots[gpu] = list(self.cpu.slots[cpu])
+        self.mgr.confirm_swap_in([seq])
+        self.live[seq] = self.swapped.pop(seq)
         self._refresh_slots()
         self.batches = None
 
@@ -171,6 +212,7 @@ class StateGroupMachine(RuleBasedStateMachine):
             self.mgr.check()
             stats = self.mgr.state_stats()
             assert stats.num_working == len(self.live)
+            assert stats.num_cpu_free == 2 - len(self.swapped)
             assert stats.num_checkpoints + stats.num_saving <= stats.num_slots // 2
 
 
@@ -230,9 +272,13 @@ def test_out_of_state_slots_is_out_of_blocks_and_changes_nothing() -> None:
 def test_state_refusals_name_the_call() -> None:
     mgr = HybridManager(64, 4, [Attention.full()], num_cpu_blocks=8, state=StateConfig(4))
     mgr.allocate(1, [1, 2, 3, 4, 5])
-    for call, args in [("swap_out", ([1],)), ("rollback", ([1], [1]))]:
-        with pytest.raises(ValueError, match=call):
-            getattr(mgr, call)(*args)
+    with pytest.raises(ValueError, match="plan it before swapping it out"):
+        mgr.swap_out([1])
+    mgr.plan([1], [5])
+    with pytest.raises(OutOfBlocks, match="state slots"):
+        mgr.swap_out([1])  # no CPU state slot
+    with pytest.raises(ValueError, match="rollback"):
+        mgr.rollback([1], [1])
     with pytest.raises(ValueError, match="no state group"):
         HybridManager(64, 4, [Attention.full()]).state_stats()
     assert mgr.num_tokens(1) == 5

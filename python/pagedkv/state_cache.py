@@ -196,6 +196,27 @@ class StateCache:
                 for t in layer:
                     t.index_fill_(0, index, 0)
 
+    def swap(self, other: StateCache, pairs: npt.NDArray[Any]) -> None:
+        """Copy slots into `other` (the CPU pool of a swap-out, or back): `pairs` is the
+        `[n, 2]` `(ours, theirs)` state entry a manager's `swap_out` / `swap_in` returns last,
+        in every layer and state kind. The two caches must hold the same layers and states."""
+        if (other.num_layers, other.shapes, other.dtypes) != (
+            self.num_layers,
+            self.shapes,
+            self.dtypes,
+        ):
+            raise ValueError("swap: the two caches hold different layers or states")
+        arr = _array("pairs", pairs, 2)
+        self._check_slots("pairs (source)", arr[:, 0])
+        other._check_slots("pairs (destination)", arr[:, 1])
+        if not len(arr):
+            return
+        src = torch.from_numpy(arr[:, 0].copy()).to(self.device)
+        dst = torch.from_numpy(arr[:, 1].copy()).to(other.device)
+        for ours, theirs in zip(self.tensors, other.tensors, strict=True):
+            for t, u in zip(ours, theirs, strict=True):
+                u.index_copy_(0, dst, t.index_select(0, src).to(other.device))
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} is out of range for {self.num_layers} layers")

@@ -35,6 +35,8 @@ pub struct StateConfig {
     pub checkpoint_interval: u32,
     /// Checkpoints one sequence keeps along its path (its branch point aside).
     pub checkpoints_per_sequence: u32,
+    /// Slots of the CPU state pool, where swapped-out sequences keep their states.
+    pub num_cpu_slots: u32,
 }
 
 impl StateConfig {
@@ -46,6 +48,7 @@ impl StateConfig {
             max_checkpoints: num_slots.saturating_sub(1),
             checkpoint_interval: 0,
             checkpoints_per_sequence: 1,
+            num_cpu_slots: 0,
         }
     }
 
@@ -62,6 +65,13 @@ impl StateConfig {
             return Err(invalid(format!(
                 "state.max_checkpoints ({}) must leave working slots: below num_slots ({})",
                 self.max_checkpoints, self.num_slots
+            )));
+        }
+        if self.num_cpu_slots >= i32::MAX as u32 {
+            return Err(invalid(format!(
+                "state.num_cpu_slots must be below {}, not {}",
+                i32::MAX,
+                self.num_cpu_slots
             )));
         }
         if !self.checkpoint_interval.is_multiple_of(block_size) {
@@ -87,6 +97,10 @@ pub struct StateStats {
     pub num_checkpoints: usize,
     /// Slots a planned pass writes a checkpoint into (not committed yet).
     pub num_saving: usize,
+    /// Slots of the CPU state pool.
+    pub num_cpu_slots: usize,
+    /// Free slots of the CPU state pool.
+    pub num_cpu_free: usize,
     /// Prompt tokens a checkpoint could have resumed (what the state group alone allowed).
     pub prefix_allowed_tokens: u64,
     /// Prompt tokens resumed from a checkpoint.
@@ -126,7 +140,11 @@ struct Checkpoint {
 
 /// A live sequence's slots.
 struct SeqState {
+    /// The GPU slot (stale once a swap-out is confirmed: see `swap`).
     working: SlotId,
+    /// The CPU slot of a swapped sequence, and whether it still holds `working` (between
+    /// `swap_out` and its confirmation, and again from `swap_in` on).
+    swap: Option<Swap>,
     /// The last block boundary of the prompt, where a checkpoint is saved.
     prompt_point: usize,
     /// Where the sequence branched off a cached prefix its state could not resume (0: none).
@@ -138,6 +156,25 @@ struct SeqState {
     saving: Vec<(usize, SlotId)>,
     /// The checkpoints this sequence registered but its branch point's, oldest first.
     kept: VecDeque<(MapKey, SlotId)>,
+}
+
+/// A swapped sequence's CPU slot.
+#[derive(Clone, Copy)]
+struct Swap {
+    cpu: SlotId,
+    holds_gpu: bool,
+}
+
+impl SeqState {
+    /// The GPU slot the sequence holds, if any.
+    fn gpu(&self) -> Option<SlotId> {
+        match self.swap {
+            Some(Swap {
+                holds_gpu: false, ..
+            }) => None,
+            _ => Some(self.working),
+        }
+    }
 }
 
 /// The prefix a save is registered under once committed: the key, parent key and tokens of
@@ -179,6 +216,8 @@ pub(crate) struct StateCache {
     /// Working slots the next plan resets.
     resets: Vec<SlotId>,
     num_saving: usize,
+    /// Free slots of the CPU state pool.
+    cpu_free: Vec<SlotId>,
     stats: StateStats,
 }
 
@@ -196,6 +235,7 @@ impl StateCache {
             copies: Vec::new(),
             resets: Vec::new(),
             num_saving: 0,
+            cpu_free: (0..config.num_cpu_slots).rev().collect(),
             stats: StateStats::default(),
             block_size: block_size as usize,
             config,
@@ -282,6 +322,7 @@ impl StateCache {
     ) -> SeqState {
         SeqState {
             working,
+            swap: None,
             branch,
             resume,
             prompt_point: prompt_len / self.block_size * self.block_size,
@@ -360,12 +401,22 @@ impl StateCache {
         let Some(s) = self.seqs.remove(&seq) else {
             return;
         };
+        let gpu = s.gpu();
         for (_, slot) in s.saving {
             self.release(slot);
             self.num_saving -= 1;
         }
-        // A copy or reset into the freed slot is void; a copy out of it must still happen.
-        let working = s.working;
+        if let Some(swap) = s.swap {
+            self.cpu_free.push(swap.cpu);
+        }
+        if let Some(working) = gpu {
+            self.release_working(working);
+        }
+    }
+
+    /// Releases a working slot no sequence holds any more: a copy or reset into it is void; a
+    /// copy out of it must still happen.
+    fn release_working(&mut self, working: SlotId) {
         let mut unpinned = Vec::new();
         self.copies.retain(|&[src, dst]| {
             if dst == working {
@@ -387,6 +438,92 @@ impl StateCache {
     fn release(&mut self, slot: SlotId) {
         self.slots[slot as usize] = Slot::Free;
         self.free.push(slot);
+    }
+
+    /// Fails unless `seqs` (on the GPU, none twice) can move their states to the CPU pool
+    /// (`to_gpu`: back from it): a free slot each on the other side, and on the way out no
+    /// queued copy or reset still to write the working slot (plan the sequence first).
+    pub(crate) fn check_swap(&self, seqs: &[SeqId], to_gpu: bool) -> Result<(), Error> {
+        if to_gpu {
+            return self.check_available(seqs.len(), None);
+        }
+        for &seq in seqs {
+            let working = self.seqs[&seq].working;
+            let written = self.resets.contains(&working)
+                || self.copies.iter().any(|&[_, dst]| dst == working);
+            if written {
+                return Err(invalid(format!(
+                    "swap_out: sequence {seq}'s state is still to be copied or reset by the next \
+                     plan; plan it before swapping it out"
+                )));
+            }
+        }
+        if self.cpu_free.len() < seqs.len() {
+            return Err(Error::OutOfStateSlots {
+                needed: seqs.len(),
+                available: self.cpu_free.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Moves the states of `seqs` (checked by [`StateCache::check_swap`]) to the CPU pool;
+    /// returns the `[gpu, cpu]` slot pairs to copy. Saves not committed yet are dropped.
+    pub(crate) fn swap_out(&mut self, seqs: &[SeqId]) -> Vec<[SlotId; 2]> {
+        let mut pairs = Vec::with_capacity(seqs.len());
+        for &seq in seqs {
+            let cpu = self.cpu_free.pop().expect("checked available");
+            let s = self.seqs.get_mut(&seq).expect("swapped sequences are live");
+            let saving = std::mem::take(&mut s.saving);
+            s.swap = Some(Swap {
+                cpu,
+                holds_gpu: true,
+            });
+            pairs.push([s.working, cpu]);
+            for (_, slot) in saving {
+                self.release(slot);
+                self.num_saving -= 1;
+            }
+        }
+        pairs
+    }
+
+    /// The swap-out of `seqs` was copied: their GPU slots are released.
+    pub(crate) fn confirm_swap_out(&mut self, seqs: &[SeqId]) {
+        for &seq in seqs {
+            let s = self.seqs.get_mut(&seq).expect("swapped sequences are live");
+            if let Some(swap) = &mut s.swap {
+                swap.holds_gpu = false;
+                let working = s.working;
+                self.release_working(working);
+            }
+        }
+    }
+
+    /// Brings the states of `seqs` (checked by [`StateCache::check_swap`]) back to new
+    /// working slots; returns the `[cpu, gpu]` slot pairs to copy.
+    pub(crate) fn swap_in(&mut self, seqs: &[SeqId]) -> Vec<[SlotId; 2]> {
+        let mut pairs = Vec::with_capacity(seqs.len());
+        for &seq in seqs {
+            let working = self.take_slot().expect("checked available");
+            self.slots[working as usize] = Slot::Working(seq);
+            let s = self.seqs.get_mut(&seq).expect("swapped sequences are live");
+            let swap = s.swap.as_mut().expect("swapped out");
+            swap.holds_gpu = true;
+            s.working = working;
+            pairs.push([swap.cpu, working]);
+        }
+        pairs
+    }
+
+    /// The swap-in of `seqs` was copied: their CPU slots are released.
+    pub(crate) fn confirm_swap_in(&mut self, seqs: &[SeqId]) {
+        for &seq in seqs {
+            let s = self.seqs.get_mut(&seq).expect("swapped sequences are live");
+            if let Some(swap) = s.swap.take() {
+                self.cpu_free.push(swap.cpu);
+            }
+        }
     }
 
     /// A queued copy out of `slot` was handed out or dropped.
@@ -588,16 +725,18 @@ impl StateCache {
 
     /// The sequence's working slot.
     pub(crate) fn working(&self, seq: SeqId) -> Option<SlotId> {
-        self.seqs.get(&seq).map(|s| s.working)
+        self.seqs.get(&seq).and_then(SeqState::gpu)
     }
 
     pub(crate) fn stats(&self) -> StateStats {
         let mut stats = self.stats;
         stats.num_slots = self.slots.len();
         stats.num_free = self.free.len();
-        stats.num_working = self.seqs.len();
+        stats.num_working = self.seqs.values().filter(|s| s.gpu().is_some()).count();
         stats.num_checkpoints = self.map.len();
         stats.num_saving = self.num_saving;
+        stats.num_cpu_slots = self.config.num_cpu_slots as usize;
+        stats.num_cpu_free = self.cpu_free.len();
         stats
     }
 
@@ -618,10 +757,17 @@ impl StateCache {
         self.free.iter().for_each(|&s| mark(s));
         self.map.values().for_each(|&s| mark(s));
         let mut saving = 0;
+        let mut cpu = vec![0u8; self.config.num_cpu_slots as usize];
+        self.cpu_free.iter().for_each(|&c| cpu[c as usize] += 1);
         for (&id, s) in &self.seqs {
-            mark(s.working);
-            if !matches!(self.slots[s.working as usize], Slot::Working(w) if w == id) {
-                return broken(format!("sequence {id}'s working slot {}", s.working));
+            if let Some(swap) = s.swap {
+                cpu[swap.cpu as usize] += 1;
+            }
+            if let Some(working) = s.gpu() {
+                mark(working);
+                if !matches!(self.slots[working as usize], Slot::Working(w) if w == id) {
+                    return broken(format!("sequence {id}'s working slot {working}"));
+                }
             }
             for &(_, slot) in &s.saving {
                 mark(slot);
@@ -640,6 +786,9 @@ impl StateCache {
         }
         if let Some(slot) = seen.iter().position(|&n| n != 1) {
             return broken(format!("slot {slot} is in {} states", seen[slot]));
+        }
+        if let Some(slot) = cpu.iter().position(|&n| n != 1) {
+            return broken(format!("CPU slot {slot} is held {} times", cpu[slot]));
         }
         if self.map.len() + saving > self.config.max_checkpoints as usize {
             return broken(format!(

@@ -7,6 +7,7 @@ const BS: u32 = 16;
 
 fn manager(num_blocks: u32, state: StateConfig) -> HybridManager {
     let mut config = Config::new(num_blocks, BS);
+    config.num_cpu_blocks = num_blocks;
     config.hash_key = Some([5; 32]);
     config.watermark = 0.0;
     HybridManager::with_state(config, &[Attention::Full], Some(state)).unwrap()
@@ -18,6 +19,7 @@ fn state(num_slots: u32, max_checkpoints: u32) -> StateConfig {
         max_checkpoints,
         checkpoint_interval: 0,
         checkpoints_per_sequence: 1,
+        num_cpu_slots: 4,
     }
 }
 
@@ -217,12 +219,11 @@ fn bad_state_configs_name_the_field() {
     }
 }
 
-/// Operations that would move or roll back a recurrent state are refused, changing nothing.
+/// Operations that would roll back or load a recurrent state are refused, changing nothing.
 #[test]
-fn swaps_and_rollbacks_are_refused_with_a_state_group() {
+fn rollbacks_and_loads_are_refused_with_a_state_group() {
     let mgr = manager(64, state(4, 2));
     prefill(&mgr, 1, &(0..20).collect::<Vec<u32>>());
-    assert!(matches!(mgr.swap_out(&[1]), Err(Error::InvalidArgument(_))));
     assert!(matches!(
         mgr.rollback(&[1], &[1]),
         Err(Error::InvalidArgument(_))
@@ -232,6 +233,67 @@ fn swaps_and_rollbacks_are_refused_with_a_state_group() {
         Err(Error::InvalidArgument(_))
     ));
     assert_eq!(mgr.num_tokens(1).unwrap(), 20);
+    mgr.check().unwrap();
+}
+
+/// A swap moves the state with the KV: `[gpu, cpu]` pairs as one more entry after the
+/// groups', the GPU slot released at the confirmation; back in, a new working slot.
+#[test]
+fn swaps_move_the_state_with_the_kv() {
+    let mgr = manager(64, state(3, 1));
+    prefill(&mgr, 1, &(0..20).collect::<Vec<u32>>());
+    let gpu = mgr.state_slot(1).unwrap();
+    let out = mgr.swap_out(&[1]).unwrap();
+    assert_eq!(out.len(), 2);
+    let cpu = out[1][0][1];
+    assert_eq!(out[1], vec![[gpu, cpu]]);
+    mgr.confirm_swap_out(&[1]).unwrap();
+    assert!(mgr.state_slot(1).is_err(), "no GPU slot while swapped out");
+    let stats = mgr.state_stats().unwrap();
+    assert_eq!((stats.num_working, stats.num_cpu_free), (0, 3));
+    mgr.check().unwrap();
+    // Every GPU slot taken by others: the swap-in fails and changes nothing.
+    prefill(&mgr, 2, &(100..120).collect::<Vec<u32>>());
+    prefill(&mgr, 3, &(200..220).collect::<Vec<u32>>());
+    prefill(&mgr, 4, &(300..320).collect::<Vec<u32>>());
+    assert!(matches!(
+        mgr.swap_in(&[1]),
+        Err(Error::OutOfStateSlots { needed: 1, .. })
+    ));
+    mgr.check().unwrap();
+    mgr.free(4).unwrap();
+    let back = mgr.swap_in(&[1]).unwrap();
+    let working = mgr.state_slot(1).unwrap();
+    assert_eq!(back[1], vec![[cpu, working]]);
+    mgr.confirm_swap_in(&[1]).unwrap();
+    assert_eq!(mgr.state_stats().unwrap().num_cpu_free, 4);
+    let mut plans = vec![Plan::new()];
+    mgr.step(&[1], &[9], &mut plans).unwrap();
+    assert_eq!(plans[0].state_slots, vec![working as i32]);
+    mgr.check().unwrap();
+}
+
+/// A sequence whose state the next plan still copies or resets cannot swap out yet; out of
+/// CPU slots, a swap-out fails; both change nothing.
+#[test]
+fn swap_outs_wait_for_queued_state_and_cpu_slots() {
+    let mut config = state(8, 4);
+    config.num_cpu_slots = 1;
+    let mgr = manager(64, config);
+    mgr.allocate(1, &(0..20).collect::<Vec<u32>>(), None)
+        .unwrap();
+    assert!(matches!(mgr.swap_out(&[1]), Err(Error::InvalidArgument(_))));
+    let mut plans = vec![Plan::new()];
+    mgr.plan(&[1], &[20], &mut plans).unwrap();
+    prefill(&mgr, 2, &(100..120).collect::<Vec<u32>>());
+    assert!(matches!(
+        mgr.swap_out(&[1, 2]),
+        Err(Error::OutOfStateSlots {
+            needed: 2,
+            available: 1
+        })
+    ));
+    mgr.swap_out(&[1]).unwrap();
     mgr.check().unwrap();
 }
 
@@ -270,10 +332,11 @@ impl Engine {
     }
 }
 
-/// Random admissions (prompts sharing prefixes), decode steps, forks, frees and cache resets
-/// on a tight state pool, run against a model of the engine's state tensors: every pass
-/// starts from the state of exactly the tokens before it, whether it came from a reset, a
-/// checkpoint hit or a fork.
+/// Random admissions (prompts sharing prefixes), decode steps, forks, frees, swaps and cache
+/// resets on a tight state pool, with full attention alone (the KV reused past the state's
+/// checkpoint) or beside a window, run against a model of the engine's state tensors: every
+/// pass starts from the state of exactly the tokens before it, whether it came from a reset,
+/// a checkpoint hit, a fork or a swap.
 #[test]
 fn random_operations_keep_every_state_exact() {
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
@@ -283,24 +346,29 @@ fn random_operations_keep_every_state_exact() {
         rng ^= rng << 17;
         rng % n
     };
-    let mut resumed = 0;
+    let (mut resumed, mut moved) = (0, 0);
     for round in 0..20 {
         let mut config = state(6 + round % 4, 3);
         config.checkpoint_interval = if round % 2 == 0 { 0 } else { 32 };
         config.checkpoints_per_sequence = 1 + round % 2;
+        config.num_cpu_slots = 2;
         let mut hybrid_config = Config::new(400, BS);
         hybrid_config.hash_key = Some([round as u8; 32]);
         hybrid_config.watermark = 0.0;
+        hybrid_config.num_cpu_blocks = 400;
         let groups = [Attention::Full, Attention::SlidingWindow(24)];
-        let mgr = HybridManager::with_state(hybrid_config, &groups, Some(config)).unwrap();
+        let groups = &groups[..1 + round as usize % 2];
+        let mgr = HybridManager::with_state(hybrid_config, groups, Some(config)).unwrap();
         let mut engine = Engine {
             slots: vec![Vec::new(); 16],
         };
+        let mut cpu: Vec<Vec<u32>> = vec![Vec::new(); 2];
         let mut live: Vec<(u64, Vec<u32>)> = Vec::new();
-        let mut plans = vec![Plan::new(), Plan::new()];
+        let mut swapped: Vec<(u64, Vec<u32>)> = Vec::new();
+        let mut plans: Vec<Plan> = groups.iter().map(|_| Plan::new()).collect();
         let mut id = 0;
         for _ in 0..300 {
-            match next(10) {
+            match next(12) {
                 0..=2 => {
                     // Prompts branch off three stems at random lengths.
                     let stem = next(3) as u32;
@@ -340,6 +408,29 @@ fn random_operations_keep_every_state_exact() {
                     mgr.free(seq).unwrap();
                 }
                 9 if next(8) == 0 => mgr.reset_prefix_cache(),
+                10 if !live.is_empty() => {
+                    let i = next(live.len() as u64) as usize;
+                    let Ok(pairs) = mgr.swap_out(&[live[i].0]) else {
+                        continue;
+                    };
+                    for &[gpu, c] in pairs.last().unwrap() {
+                        cpu[c as usize] = engine.slots[gpu as usize].clone();
+                    }
+                    mgr.confirm_swap_out(&[live[i].0]).unwrap();
+                    swapped.push(live.remove(i));
+                    moved += 1;
+                }
+                11 if !swapped.is_empty() => {
+                    let i = next(swapped.len() as u64) as usize;
+                    let Ok(pairs) = mgr.swap_in(&[swapped[i].0]) else {
+                        continue;
+                    };
+                    for &[c, gpu] in pairs.last().unwrap() {
+                        engine.slots[gpu as usize] = cpu[c as usize].clone();
+                    }
+                    mgr.confirm_swap_in(&[swapped[i].0]).unwrap();
+                    live.push(swapped.remove(i));
+                }
                 _ => {}
             }
             mgr.check().unwrap();
@@ -347,6 +438,7 @@ fn random_operations_keep_every_state_exact() {
         resumed += mgr.state_stats().unwrap().prefix_hit_tokens;
     }
     assert!(resumed > 0, "no admission resumed from a checkpoint");
+    assert!(moved > 0, "no state was swapped");
 }
 
 /// A working state already holds the planned tokens: a plan covering them again is refused,

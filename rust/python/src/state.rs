@@ -19,14 +19,16 @@ pub(crate) struct StateConfig {
 impl StateConfig {
     #[new]
     #[pyo3(signature = (num_slots, *, max_checkpoints = None,
-        checkpoint_interval = Count::Default(0), checkpoints_per_sequence = Count::Default(1)),
+        checkpoint_interval = Count::Default(0), checkpoints_per_sequence = Count::Default(1),
+        num_cpu_slots = Count::Default(0)),
         text_signature = "(num_slots, *, max_checkpoints=None, checkpoint_interval=0, \
-        checkpoints_per_sequence=1)")]
+        checkpoints_per_sequence=1, num_cpu_slots=0)")]
     fn new(
         num_slots: &Bound<'_, PyAny>,
         max_checkpoints: Option<&Bound<'_, PyAny>>,
         checkpoint_interval: Count<'_>,
         checkpoints_per_sequence: Count<'_>,
+        num_cpu_slots: Count<'_>,
     ) -> PyResult<StateConfig> {
         let num_slots = integer::<u32>(num_slots, "num_slots")?;
         let mut inner = core::StateConfig::new(num_slots);
@@ -36,6 +38,7 @@ impl StateConfig {
         inner.checkpoint_interval = checkpoint_interval.get("checkpoint_interval")?;
         inner.checkpoints_per_sequence =
             checkpoints_per_sequence.get("checkpoints_per_sequence")?;
+        inner.num_cpu_slots = num_cpu_slots.get("num_cpu_slots")?;
         Ok(StateConfig { inner })
     }
 
@@ -63,12 +66,22 @@ impl StateConfig {
         self.inner.checkpoints_per_sequence
     }
 
+    /// Slots of the CPU state pool, for swapped-out sequences.
+    #[getter]
+    fn num_cpu_slots(&self) -> u32 {
+        self.inner.num_cpu_slots
+    }
+
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
             "StateConfig({}, max_checkpoints={}, checkpoint_interval={}, \
-             checkpoints_per_sequence={})",
-            c.num_slots, c.max_checkpoints, c.checkpoint_interval, c.checkpoints_per_sequence
+             checkpoints_per_sequence={}, num_cpu_slots={})",
+            c.num_slots,
+            c.max_checkpoints,
+            c.checkpoint_interval,
+            c.checkpoints_per_sequence,
+            c.num_cpu_slots
         )
     }
 }

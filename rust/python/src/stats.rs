@@ -108,6 +108,10 @@ mirror! {
     num_checkpoints: usize,
     /// Slots a planned pass saves a checkpoint into (not committed yet).
     num_saving: usize,
+    /// Slots of the CPU state pool.
+    num_cpu_slots: usize,
+    /// Free slots of the CPU state pool.
+    num_cpu_free: usize,
     /// Prompt tokens a checkpoint could have resumed (what the state group alone allowed).
     prefix_allowed_tokens: u64,
     /// Prompt tokens resumed from a checkpoint.

@@ -470,23 +470,25 @@ impl HybridManager {
     }
 
     /// Moves the sequences to the CPU pool in every group; returns each group's `[gpu, cpu]`
-    /// pairs to copy.
+    /// pairs to copy and, with a state group, one more entry: the state slots' pairs.
     pub fn swap_out(&self, seqs: &[SeqId]) -> Result<Vec<Vec<[BlockId; 2]>>, Error> {
         self.swap(seqs, false)
     }
 
     /// Brings swapped-out sequences back in every group; returns each group's `[cpu, gpu]`
-    /// pairs to copy.
+    /// pairs to copy and, with a state group, one more entry: the state slots' pairs.
     pub fn swap_in(&self, seqs: &[SeqId]) -> Result<Vec<Vec<[BlockId; 2]>>, Error> {
         self.swap(seqs, true)
     }
 
     fn swap(&self, seqs: &[SeqId], to_gpu: bool) -> Result<Vec<Vec<[BlockId; 2]>>, Error> {
-        self.no_state(if to_gpu { "swap_in" } else { "swap_out" })?;
-        let _held = lock(&self.lock);
+        let mut held = lock(&self.lock);
         let mut needed = 0;
         for g in &self.groups {
             needed += g.swap_needs(seqs, to_gpu)?;
+        }
+        if let Some(state) = held.as_deref() {
+            state.check_swap(seqs, to_gpu)?;
         }
         let (pool, kind) = if to_gpu {
             (&self.groups[0].gpu, PoolKind::Gpu)
@@ -500,7 +502,7 @@ impl HybridManager {
                 available: pool.available(),
             });
         }
-        let mut pairs = Vec::with_capacity(self.groups.len());
+        let mut pairs = Vec::with_capacity(self.groups.len() + 1);
         for g in &self.groups {
             pairs.push(if to_gpu {
                 g.swap_in(seqs)?
@@ -508,19 +510,40 @@ impl HybridManager {
                 g.swap_out(seqs)?
             });
         }
+        if let Some(state) = held.as_mut() {
+            let g = &self.groups[0];
+            pairs.push(if to_gpu {
+                state.swap_in(seqs)
+            } else {
+                for &seq in seqs {
+                    let mut one = g.seqs.lock_one(seq);
+                    let s = one.get().expect("swapped a live sequence");
+                    g.commit_states(state, seq, s);
+                }
+                state.swap_out(seqs)
+            });
+        }
         Ok(pairs)
     }
 
     /// The engine copied the pairs of `swap_out(seqs)` for every group.
     pub fn confirm_swap_out(&self, seqs: &[SeqId]) -> Result<(), Error> {
-        let _held = lock(&self.lock);
-        self.each(|g| g.confirm_swap_out(seqs))
+        let mut held = lock(&self.lock);
+        self.each(|g| g.confirm_swap_out(seqs))?;
+        if let Some(state) = held.as_mut() {
+            state.confirm_swap_out(seqs);
+        }
+        Ok(())
     }
 
     /// The engine copied the pairs of `swap_in(seqs)` for every group.
     pub fn confirm_swap_in(&self, seqs: &[SeqId]) -> Result<(), Error> {
-        let _held = lock(&self.lock);
-        self.each(|g| g.confirm_swap_in(seqs))
+        let mut held = lock(&self.lock);
+        self.each(|g| g.confirm_swap_in(seqs))?;
+        if let Some(state) = held.as_mut() {
+            state.confirm_swap_in(seqs);
+        }
+        Ok(())
     }
 
     /// Group `group`'s block table of the sequence (from its [`HybridManager::first_block`]).
@@ -744,8 +767,8 @@ impl HybridManager {
     fn no_state(&self, call: &str) -> Result<(), Error> {
         if self.has_state() {
             return Err(invalid(format!(
-                "{call}: not supported with a state group (a recurrent state cannot be moved \
-                 or rolled back here; preempt by freeing and admitting again)"
+                "{call}: not supported with a state group (a recurrent state cannot be rolled \
+                 back or loaded here)"
             )));
         }
         Ok(())
