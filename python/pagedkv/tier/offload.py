@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pagedkv._core import BlockManager
+from pagedkv._core import BlockManager, HybridManager
 from pagedkv.kv_cache import HostBlocks, KVCache
 from pagedkv.tier.codec import HEADER_SIZE, BlockSpec, CorruptValue, decode, encode_into
 from pagedkv.tier.namespace import Namespace
@@ -149,6 +149,11 @@ class KVTier:
         save_batch_blocks: int = 8,
         load_chunk_blocks: int = 16,
     ) -> None:
+        if isinstance(manager, HybridManager):
+            raise ValueError(
+                "an external KV tier takes a pagedkv.BlockManager, not a HybridManager "
+                "(KV-cache groups and state groups are not stored externally yet)"
+            )
         if manager.block_size != cache.block_size:
             raise ValueError(
                 f"manager block size {manager.block_size} != cache block size {cache.block_size}"
