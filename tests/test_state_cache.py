@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedkv import Attention, HybridManager, OutOfBlocks, StateCache, StateConfig
-from pagedkv.state_cache import StateSegment, state_segments, state_shapes
+from pagedkv.state_cache import StateSegment, split_memory, state_segments, state_shapes
 
 
 def fake_plan(
@@ -341,3 +341,21 @@ def test_swap_copies_slots_to_another_cache_and_back() -> None:
         gpu.swap(StateCache(1, 2, [(3,), (2, 2)]), np.zeros((0, 2), dtype=np.int32))
     with pytest.raises(ValueError, match="out of range"):
         gpu.swap(cpu, np.array([[0, 2]]))
+
+
+def test_split_memory_gives_pages_and_slots() -> None:
+    # 8 GB, Qwen3-Next-80B-like: 12 full layers' page of 16 tokens, 38.25 MiB of state.
+    page, slot = 12 * 2 * 2 * 256 * 2 * 16, 40_108_032
+    blocks, slots = split_memory(8 * 10**9, page, slot)
+    assert slots == 4 * 10**9 // slot == 99
+    assert blocks == (8 * 10**9 - 99 * slot) // page
+    assert blocks * page + slots * slot <= 8 * 10**9
+    for args, name in [
+        ((8 * 10**9, page, 0), "slot_bytes"),
+        ((0, page, slot), "memory_bytes"),
+        ((8 * 10**9, page, slot, 1.0), "state_fraction"),
+        ((10**6, page, slot), r"slot_bytes \(40108032\) is beyond"),
+        ((10**6, 10**6, 10), r"page_bytes \(1000000\) is beyond"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            split_memory(*args)

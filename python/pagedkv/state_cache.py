@@ -231,6 +231,40 @@ class StateCache:
             raise ValueError(f"{name} names slot {bad}, out of range for {self.num_slots} slots")
 
 
+def split_memory(
+    memory_bytes: int, page_bytes: int, slot_bytes: int, state_fraction: float = 0.5
+) -> tuple[int, int]:
+    """The KV pages and state slots `memory_bytes` hold when `state_fraction` of it goes to
+    recurrent states: `(num_blocks, num_slots)`, for `HybridManager(num_blocks, ...,
+    state=StateConfig(num_slots))`. `page_bytes` is one page of the KV groups (a block of
+    tokens of `layers_per_group` layers), `slot_bytes` one sequence's state over every
+    recurrent layer (`StateCache.slot_nbytes`). Raises `ValueError` naming the argument when a
+    size is not positive, the fraction is not in (0, 1), or either share holds nothing."""
+    for name, value in (
+        ("memory_bytes", memory_bytes),
+        ("page_bytes", page_bytes),
+        ("slot_bytes", slot_bytes),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not 0 < state_fraction < 1:
+        raise ValueError(f"state_fraction must be in (0, 1), got {state_fraction}")
+    state_bytes = int(memory_bytes * state_fraction)
+    num_slots = state_bytes // slot_bytes
+    num_blocks = (memory_bytes - num_slots * slot_bytes) // page_bytes
+    if num_slots < 1:
+        raise ValueError(
+            f"slot_bytes ({slot_bytes}) is beyond the state's share of the memory "
+            f"({state_fraction:g} of {memory_bytes} bytes)"
+        )
+    if num_blocks < 1:
+        raise ValueError(
+            f"page_bytes ({page_bytes}) is beyond the KV's share of the memory "
+            f"({memory_bytes - num_slots * slot_bytes} of {memory_bytes} bytes)"
+        )
+    return num_blocks, num_slots
+
+
 def state_shapes(config: Any) -> tuple[list[int], list[tuple[int, ...]]]:
     """The recurrent layers of a `transformers` hybrid config and one such layer's state
     shapes, `(layer_indices, [conv_shape, recurrent_shape])`, for Gated DeltaNet (Qwen3-Next)
