@@ -71,12 +71,15 @@ class Event:
 
 
 def load_example() -> ModuleType:
+    examples = ROOT / "examples"
     spec = importlib.util.spec_from_file_location(
-        "continuous_batching", ROOT / "examples" / "continuous_batching.py"
+        "continuous_batching", examples / "continuous_batching.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
+    if str(examples) not in sys.path:  # the example imports its sibling hybrid_models.py
+        sys.path.insert(0, str(examples))
     spec.loader.exec_module(module)
     return module
 
