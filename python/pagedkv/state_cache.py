@@ -28,7 +28,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["StateCache", "StatePlan", "StateSegment", "state_segments", "state_shapes"]
+__all__ = [
+    "StateCache",
+    "StatePlan",
+    "StateSegment",
+    "split_memory",
+    "state_segments",
+    "state_shapes",
+]
 
 
 class StatePlan(Protocol):
