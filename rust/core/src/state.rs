@@ -121,6 +121,9 @@ struct Checkpoint {
     tokens: Box<[Token]>,
     /// Queued copies reading it.
     pins: u32,
+    /// Which registration it is: a sequence's cap drops only the checkpoints it registered,
+    /// not a later one in the same slot under the same key.
+    registration: u64,
 }
 
 /// A live sequence's slots.
@@ -132,8 +135,8 @@ struct SeqState {
     branch: usize,
     /// Saves of planned passes: (tokens the state is after, slot).
     saving: Vec<(usize, SlotId)>,
-    /// The interval checkpoints this sequence registered, oldest first.
-    kept: VecDeque<(MapKey, SlotId)>,
+    /// The interval checkpoints this sequence registered, oldest first: slot, registration.
+    kept: VecDeque<(SlotId, u64)>,
 }
 
 /// The prefix a save is registered under once committed: the key, parent key and tokens of
@@ -166,6 +169,8 @@ pub(crate) struct StateCache {
     /// Working slots the next plan resets.
     resets: Vec<SlotId>,
     num_saving: usize,
+    /// Checkpoints registered so far, numbering each registration.
+    registrations: u64,
     stats: StateStats,
 }
 
@@ -183,6 +188,7 @@ impl StateCache {
             copies: Vec::new(),
             resets: Vec::new(),
             num_saving: 0,
+            registrations: 0,
             stats: StateStats::default(),
             block_size: block_size as usize,
             config,
@@ -486,9 +492,9 @@ impl StateCache {
             self.num_saving -= 1;
             match prefix(point).filter(|p| !self.map.contains_key(&p.key)) {
                 Some(p) => {
-                    self.register(slot, &p);
+                    let registration = self.register(slot, &p);
                     if point != prompt_point && point != branch {
-                        self.keep(seq, p.key, slot);
+                        self.keep(seq, slot, registration);
                     }
                 }
                 None => self.release(slot),
@@ -496,38 +502,43 @@ impl StateCache {
         }
     }
 
-    fn register(&mut self, slot: SlotId, p: &SavedPrefix<'_>) {
+    /// Makes `slot` the checkpoint of `p`; returns which registration it is.
+    fn register(&mut self, slot: SlotId, p: &SavedPrefix<'_>) -> u64 {
+        self.registrations += 1;
         self.slots[slot as usize] = Slot::Checkpoint(Checkpoint {
             key: p.key,
             parent: p.parent,
             tokens: p.tokens.into(),
             pins: 0,
+            registration: self.registrations,
         });
         self.map.insert(p.key, slot);
         self.lru.push_back(slot);
         self.stats.saved += 1;
+        self.registrations
     }
 
     /// Counts an interval checkpoint against the sequence's cap, dropping its oldest beyond it.
-    fn keep(&mut self, seq: SeqId, key: MapKey, slot: SlotId) {
+    fn keep(&mut self, seq: SeqId, slot: SlotId, registration: u64) {
         let cap = self.config.checkpoints_per_sequence as usize;
         let s = self
             .seqs
             .get_mut(&seq)
             .expect("committed sequences are live");
-        s.kept.push_back((key, slot));
+        s.kept.push_back((slot, registration));
         if s.kept.len() <= cap {
             return;
         }
-        let (key, slot) = s.kept.pop_front().expect("over the cap");
-        let unpinned = matches!(&self.slots[slot as usize],
-            Slot::Checkpoint(c) if c.key == key && c.pins == 0);
-        if unpinned {
-            self.lru.remove(slot);
-            self.map.remove(&key);
-            self.release(slot);
-            self.stats.dropped += 1;
-        }
+        let (slot, registration) = s.kept.pop_front().expect("over the cap");
+        // Still its own (not evicted, the slot perhaps reused) and no queued copy reads it.
+        let key = match &self.slots[slot as usize] {
+            Slot::Checkpoint(c) if c.registration == registration && c.pins == 0 => c.key,
+            _ => return,
+        };
+        self.lru.remove(slot);
+        self.map.remove(&key);
+        self.release(slot);
+        self.stats.dropped += 1;
     }
 
     /// Drops every checkpoint no queued copy reads.
