@@ -14,7 +14,7 @@
 //! cases run without auto-commit. Three kinds of layout run: a full-attention `BlockManager`, a
 //! windowed one (a random sliding window, within a block or wider, or a chunk of one to three
 //! blocks), and `HybridManager`s with a full-attention group 0 and one or two windowed groups
-//! over one pool, half of them with a state group of a few slots (a random `StateConfig`).
+//! over one pool, half of them with a state group of 1 to 16 slots (a random `StateConfig`).
 //! The state model is a slot array with a `Vec` as the free stack, a `VecDeque` as the LRU of
 //! unpinned checkpoints, a `HashMap` from group 0's key to checkpoint and the queue of copies
 //! and resets; after every operation the test also compares the plans' `state_*` inputs (exact
