@@ -14,19 +14,22 @@
 //! cases run without auto-commit. Three kinds of layout run: a full-attention `BlockManager`, a
 //! windowed one (a random sliding window, within a block or wider, or a chunk of one to three
 //! blocks), and `HybridManager`s with a full-attention group 0 and one or two windowed groups
-//! over one pool, half of them with a state group of 1 to 16 slots (a random `StateConfig`).
+//! over one pool, half of them with a state group of 1 to 16 slots (a random `StateConfig`),
+//! half of those with full-attention KV groups alone (the state recomputed over KV hits).
 //! The state model is a slot array with a `Vec` as the free stack, a `VecDeque` as the LRU of
-//! unpinned checkpoints, a `HashMap` from group 0's key to checkpoint and the queue of copies
-//! and resets; after every operation the test also compares the plans' `state_*` inputs (exact
-//! slot ids), every `state_slot` and `state_stats`, and runs every plan on a model of the
-//! engine's state tensors, where each pass that resumes at its sequence's `planned` must start
-//! from the state after exactly the tokens before it. At the end each test asserts that the run
+//! unpinned checkpoints, a `HashMap` from group 0's key to checkpoint, the queue of copies and
+//! resets and a `Vec` as the CPU slots' free stack; after every operation the test also
+//! compares the plans' `state_*` inputs (exact slot ids) and slot -1s, every `state_slot` and
+//! `state_stats`, and runs every plan and swap on a model of the engine's state tensors (GPU
+//! and CPU), where each pass must start from the state after exactly the tokens before its
+//! query. At the end each test asserts that the run
 //! really exercised prefix hits, copies, forks, swaps, evictions, CPU-tier events, external
 //! loads and both commit modes, and with windows: releases out of the window (cached at the
 //! front and, resuming a prompt, at the back), evictions of front blocks, window hits, refused
 //! plans and rollbacks, and (hybrid) hits a group shortened; with states: checkpoint hits,
-//! saves, skips, evictions and cap drops, branch points, forks of queued states, draining
-//! slots, OutOfStateSlots and the calls a state group refuses.
+//! saves, skips, evictions and cap drops, branch points, KV hits past the state's checkpoint
+//! and the rows recomputing it, forks of queued states, draining slots, swaps of states,
+//! passes refused off the state point, OutOfStateSlots and the calls a state group refuses.
 //!
 //! Where SEMANTICS.md leaves an order open (which of several validation errors wins), the model
 //! returns every error that applies and the real one must be among them; capacity errors
@@ -193,6 +196,14 @@ struct Seen {
     chained_forks: u64,
     draining: u64,
     exact_rows: u64,
+    /// State group: admissions whose KV hit is past the state's, plan rows that recompute
+    /// the state over cached KV (slot -1), passes refused for not starting at the state
+    /// point, confirmed swap-outs of states and swap-ins of states.
+    recomputed_hits: u64,
+    recomputed_rows: u64,
+    resume_refusals: u64,
+    state_swap_outs: u64,
+    state_swap_ins: u64,
 }
 
 /// One group's counters (SEMANTICS.md's stats that differ between groups).
@@ -227,13 +238,29 @@ enum StateSlot {
 #[derive(Clone, Debug)]
 struct StateSeq {
     working: SlotId,
+    /// The CPU slot of a swapped sequence, and whether it still holds `working` (until its
+    /// swap-out is confirmed, and again from its swap-in on).
+    swap: Option<(SlotId, bool)>,
     prompt_point: usize,
     /// 0: none.
     branch: usize,
+    /// The state point: the tokens its working state holds once the planned passes ran.
+    resume: usize,
     /// Saves of planned passes, in the order they were planned: (point, slot).
     saving: Vec<(usize, SlotId)>,
-    /// Its interval checkpoints, oldest first: (slot, registration).
+    /// The checkpoints it registered but its branch point's, oldest first: (slot,
+    /// registration).
     kept: VecDeque<(SlotId, u64)>,
+}
+
+impl StateSeq {
+    /// The GPU slot it holds, if any.
+    fn gpu(&self) -> Option<SlotId> {
+        match self.swap {
+            Some((_, false)) => None,
+            _ => Some(self.working),
+        }
+    }
 }
 
 /// The state group: a slot array, the free stack, the LRU of unpinned checkpoints, the map
@@ -250,6 +277,8 @@ struct StateModel {
     seqs: BTreeMap<SeqId, StateSeq>,
     copies: Vec<[SlotId; 2]>,
     resets: Vec<SlotId>,
+    /// The CPU free stack; the top is the end.
+    cpu_free: Vec<SlotId>,
     registrations: u64,
     /// The counters (the slot counts are computed by `stats`).
     counters: StateStats,
@@ -266,6 +295,7 @@ impl StateModel {
             seqs: BTreeMap::new(),
             copies: Vec::new(),
             resets: Vec::new(),
+            cpu_free: (0..config.num_cpu_slots).rev().collect(),
             registrations: 0,
             counters: StateStats::default(),
             config,
@@ -334,8 +364,16 @@ impl StateModel {
         }
     }
 
-    /// Admits `seq` (a slot was checked available), from the checkpoint in `hit` or reset.
-    fn admit(&mut self, seq: SeqId, hit: Option<SlotId>, prompt_len: usize, branch: usize) {
+    /// Admits `seq` (a slot was checked available), from the checkpoint in `hit` or reset;
+    /// its state point is `resume`.
+    fn admit(
+        &mut self,
+        seq: SeqId,
+        hit: Option<SlotId>,
+        prompt_len: usize,
+        branch: usize,
+        resume: usize,
+    ) {
         if let Some(src) = hit {
             self.pin(src);
         }
@@ -347,8 +385,10 @@ impl StateModel {
         }
         let state = StateSeq {
             working,
+            swap: None,
             prompt_point: prompt_len / self.bs * self.bs,
             branch,
+            resume,
             saving: Vec::new(),
             kept: VecDeque::new(),
         };
@@ -375,6 +415,7 @@ impl StateModel {
         }
         let state = StateSeq {
             working,
+            swap: None,
             saving: Vec::new(),
             kept: VecDeque::new(),
             ..p
@@ -386,11 +427,6 @@ impl StateModel {
     /// Ends `seq`; returns whether its working slot is DRAINING.
     fn free(&mut self, seq: SeqId) -> bool {
         let s = self.seqs.remove(&seq).expect("model: live");
-        let working = &self.slots[s.working as usize];
-        assert!(
-            matches!(working, StateSlot::Working(w) if *w == seq),
-            "model: {working:?}"
-        );
         for &(_, slot) in &s.saving {
             let saving = &self.slots[slot as usize];
             assert!(
@@ -399,34 +435,125 @@ impl StateModel {
             );
             self.release(slot);
         }
+        if let Some((cpu, _)) = s.swap {
+            self.cpu_free.push(cpu);
+        }
+        s.gpu()
+            .is_some_and(|working| self.release_working(seq, working))
+    }
+
+    /// Releases the working slot `seq` no longer holds: queued copies and resets into it are
+    /// dropped; it is DRAINING (returns true) if a queued copy reads it, else FREE.
+    fn release_working(&mut self, seq: SeqId, working: SlotId) -> bool {
+        let held = &self.slots[working as usize];
+        assert!(
+            matches!(held, StateSlot::Working(w) if *w == seq),
+            "model: {held:?}"
+        );
         let mut unpinned = Vec::new();
         self.copies.retain(|&[src, dst]| {
-            if dst == s.working {
+            if dst == working {
                 unpinned.push(src);
             }
-            dst != s.working
+            dst != working
         });
-        self.resets.retain(|&slot| slot != s.working);
+        self.resets.retain(|&slot| slot != working);
         for src in unpinned {
             self.unpin(src);
         }
-        let draining = self.copies.iter().any(|&[src, _]| src == s.working);
+        let draining = self.copies.iter().any(|&[src, _]| src == working);
         if draining {
-            self.slots[s.working as usize] = StateSlot::Draining;
+            self.slots[working as usize] = StateSlot::Draining;
         } else {
-            self.release(s.working);
+            self.release(working);
         }
         draining
+    }
+
+    /// Why `seqs` cannot swap out (`to_gpu`: in), checked after the KV groups' checks.
+    fn swap_error(&self, seqs: &[SeqId], to_gpu: bool) -> Option<Error> {
+        if to_gpu {
+            let available = self.available(None);
+            return (available < seqs.len()).then_some(Error::OutOfStateSlots {
+                needed: seqs.len(),
+                available,
+            });
+        }
+        let written = |seq: &SeqId| {
+            let working = self.seqs[seq].working;
+            self.resets.contains(&working) || self.copies.iter().any(|&[_, dst]| dst == working)
+        };
+        if seqs.iter().any(written) {
+            return Some(invalid());
+        }
+        let available = self.cpu_free.len();
+        (available < seqs.len()).then_some(Error::OutOfStateSlots {
+            needed: seqs.len(),
+            available,
+        })
+    }
+
+    /// Moves the states of `seqs` (their due saves committed) to CPU slots: the rest of their
+    /// saves are FREE; returns the `[working, cpu]` pairs.
+    fn swap_out(&mut self, seqs: &[SeqId]) -> Vec<[BlockId; 2]> {
+        let mut pairs = Vec::new();
+        for seq in seqs {
+            let cpu = self.cpu_free.pop().expect("model: checked available");
+            let s = self.seqs.get_mut(seq).expect("model: live");
+            s.swap = Some((cpu, true));
+            pairs.push([s.working, cpu]);
+            for (_, slot) in std::mem::take(&mut s.saving) {
+                self.release(slot);
+            }
+        }
+        pairs
+    }
+
+    /// Returns how many working slots went DRAINING.
+    fn confirm_swap_out(&mut self, seqs: &[SeqId]) -> u64 {
+        let mut draining = 0;
+        for &seq in seqs {
+            let s = self.seqs.get_mut(&seq).expect("model: live");
+            let (cpu, _) = s.swap.expect("model: swapped");
+            s.swap = Some((cpu, false));
+            let working = s.working;
+            draining += u64::from(self.release_working(seq, working));
+        }
+        draining
+    }
+
+    /// New working slots for `seqs` (checked available); returns the `[cpu, working]` pairs.
+    fn swap_in(&mut self, seqs: &[SeqId]) -> Vec<[BlockId; 2]> {
+        let mut pairs = Vec::new();
+        for &seq in seqs {
+            let working = self.take().expect("model: checked available");
+            self.slots[working as usize] = StateSlot::Working(seq);
+            let s = self.seqs.get_mut(&seq).expect("model: live");
+            let (cpu, _) = s.swap.expect("model: swapped");
+            s.swap = Some((cpu, true));
+            s.working = working;
+            pairs.push([cpu, working]);
+        }
+        pairs
+    }
+
+    fn confirm_swap_in(&mut self, seqs: &[SeqId]) {
+        for seq in seqs {
+            let s = self.seqs.get_mut(seq).expect("model: live");
+            let (cpu, _) = s.swap.take().expect("model: swapped");
+            self.cpu_free.push(cpu);
+        }
     }
 
     /// Commits the saves of `seq` at points up to `computed`, registered under `key(point)`
     /// (none: unknown).
     fn commit(&mut self, seq: SeqId, computed: usize, key: impl Fn(usize) -> Option<Key>) {
         let s = self.seqs.get_mut(&seq).expect("model: live");
-        let (done, left): (Vec<_>, Vec<_>) =
+        let (mut done, left): (Vec<_>, Vec<_>) =
             (s.saving.drain(..)).partition(|&(point, _)| point <= computed);
         s.saving = left;
-        let (prompt_point, branch) = (s.prompt_point, s.branch);
+        let branch = s.branch;
+        done.sort_by_key(|&(point, _)| point);
         for (point, slot) in done {
             match key(point).filter(|k| !self.map.contains_key(k)) {
                 Some(key) => {
@@ -440,7 +567,7 @@ impl StateModel {
                     };
                     self.lru.push_back(slot);
                     self.counters.saved += 1;
-                    if point != prompt_point && point != branch {
+                    if point != branch {
                         self.keep(seq, slot, registration);
                     }
                 }
@@ -449,8 +576,8 @@ impl StateModel {
         }
     }
 
-    /// The per-sequence cap: beyond it, the sequence's oldest interval checkpoint is dropped
-    /// if it is still that checkpoint and unpinned.
+    /// The per-sequence cap: beyond it, the sequence's oldest checkpoint is dropped if it is
+    /// still that checkpoint and unpinned.
     fn keep(&mut self, seq: SeqId, slot: SlotId, registration: u64) {
         let s = self.seqs.get_mut(&seq).expect("model: live");
         s.kept.push_back((slot, registration));
@@ -487,15 +614,28 @@ impl StateModel {
         plan.state_resets = (self.resets.drain(..)).map(|s| s as i32).collect();
         let (bs, interval) = (self.bs, self.config.checkpoint_interval as usize);
         for (row, &(seq, start, end)) in rows.iter().enumerate() {
-            let s = &self.seqs[&seq];
+            let s = self.seqs.get_mut(&seq).expect("model: live");
+            s.resume = end;
             plan.state_slots.push(s.working as i32);
-            let points: Vec<usize> = ((start / bs + 1) * bs..=end)
-                .step_by(bs)
-                .filter(|&p| {
-                    p == s.prompt_point || p == s.branch || (interval > 0 && p % interval == 0)
-                })
-                .filter(|&p| s.saving.iter().all(|&(q, _)| q != p))
-                .collect();
+            // The prompt point, the branch point, then the last interval multiples the cap
+            // keeps, latest first; none already being saved.
+            let in_query = |p: usize| p > start && p <= end;
+            let mut points: Vec<usize> = Vec::new();
+            for p in [s.prompt_point, s.branch] {
+                if in_query(p) && !points.contains(&p) {
+                    points.push(p);
+                }
+            }
+            if interval > 0 {
+                let marked = [s.prompt_point, s.branch];
+                let multiples = ((start / bs + 1) * bs..=end)
+                    .rev()
+                    .filter(|&p| p % interval == 0 && !marked.contains(&p))
+                    .take(self.config.checkpoints_per_sequence as usize);
+                points.extend(multiples);
+            }
+            points.retain(|&p| s.saving.iter().all(|&(q, _)| q != p));
+            let first_save = plan.state_saves.len();
             for point in points {
                 let budget = self.map.len() + self.num_saving();
                 let slot = if budget >= self.config.max_checkpoints as usize {
@@ -513,6 +653,12 @@ impl StateModel {
                 plan.state_saves
                     .extend([row as i32, (point - start) as i32, slot as i32]);
             }
+            let mut saves: Vec<[i32; 3]> = (plan.state_saves[first_save..].chunks(3))
+                .map(|t| [t[0], t[1], t[2]])
+                .collect();
+            saves.sort_by_key(|t| t[1]);
+            plan.state_saves.truncate(first_save);
+            plan.state_saves.extend(saves.into_iter().flatten());
         }
     }
 
@@ -531,9 +677,11 @@ impl StateModel {
         StateStats {
             num_slots: self.slots.len(),
             num_free: self.free.len(),
-            num_working: self.seqs.len(),
+            num_working: self.seqs.values().filter(|s| s.gpu().is_some()).count(),
             num_checkpoints: self.map.len(),
             num_saving: self.num_saving(),
+            num_cpu_slots: self.config.num_cpu_slots as usize,
+            num_cpu_free: self.cpu_free.len(),
             ..self.counters
         }
     }
@@ -913,8 +1061,8 @@ impl Model {
             return Err(errs);
         }
         let salt = salt.map(<[u8]>::to_vec);
-        let (kv_hit, allowed) = self.lookup(tokens, &salt);
-        let k = self.state_hit(tokens, &salt, kv_hit);
+        let (common, allowed) = self.lookup(tokens, &salt);
+        let (k_kv, k) = self.hits(tokens, &salt, common);
         let resumed = self.checkpoint(tokens, &salt, k);
         if let Some(state) = &self.state {
             let available = state.available(resumed);
@@ -926,7 +1074,7 @@ impl Model {
                 }]);
             }
         }
-        let needed = self.alloc_needed(tokens, &salt, k);
+        let needed = self.alloc_needed(tokens, &salt, k_kv);
         if needed > self.available() {
             let available = self.available();
             return self.out_of_blocks(PoolKind::Gpu, needed, available);
@@ -935,30 +1083,30 @@ impl Model {
         // Every group's hits are acquired before any group takes a fresh block.
         let mut groups = Vec::new();
         for g in self.groups() {
-            let first = self.first_block(g, k * self.bs);
-            let hits = self.hit_blocks(g, tokens, &salt, k);
+            let first = self.first_block(g, k_kv * self.bs);
+            let hits = self.hit_blocks(g, tokens, &salt, k_kv);
             for &b in &hits {
                 self.acquire_hit(b);
             }
-            self.seen.window_hits += u64::from(k > 0 && first > 0);
+            self.seen.window_hits += u64::from(k_kv > 0 && first > 0);
             groups.push(GroupSeq {
                 table: hits,
                 first,
-                computed: k * self.bs,
-                planned: k * self.bs,
-                registered: k,
+                computed: k_kv * self.bs,
+                planned: k_kv * self.bs,
+                registered: k_kv,
                 copies: Vec::new(),
                 copying: Vec::new(),
                 swap_source: None,
             });
         }
         for (g, gs) in groups.iter_mut().enumerate() {
-            for _ in k..n {
+            for _ in k_kv..n {
                 let b = self.take(g);
                 gs.table.push(b);
             }
         }
-        self.seen.shortened_hits += u64::from(allowed.iter().any(|&a| a > k));
+        self.seen.shortened_hits += u64::from(allowed.iter().any(|&a| a > k_kv));
         let hittable = n - 1;
         let m = match loadable {
             Some(l) if self.caching => l.min(hittable).saturating_sub(k),
@@ -972,7 +1120,7 @@ impl Model {
                 c.external_query += ((hittable - k) * self.bs) as u64;
             }
             c.query_tokens += tokens.len() as u64;
-            c.hit_tokens += (k * self.bs) as u64;
+            c.hit_tokens += (k_kv * self.bs) as u64;
             c.allowed_tokens += (allowed * self.bs) as u64;
         }
         // The state group alone allowed the longest checkpointed prefix it holds.
@@ -985,9 +1133,10 @@ impl Model {
             state.counters.prefix_hit_tokens += (k * self.bs) as u64;
             // The KV was cached further than the state: the next prompt branching there
             // resumes from a checkpoint saved there.
-            let branch = if kv_hit > k { kv_hit * self.bs } else { 0 };
+            let branch = if common > k { common * self.bs } else { 0 };
             self.seen.branch_points += u64::from(branch > 0);
-            state.admit(seq, resumed, tokens.len(), branch);
+            self.seen.recomputed_hits += u64::from(k_kv > k);
+            state.admit(seq, resumed, tokens.len(), branch, k * self.bs);
         }
         self.seqs.insert(
             seq,
@@ -1030,34 +1179,39 @@ impl Model {
 
     fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
         let salt = salt.map(<[u8]>::to_vec);
-        let k = self.hit(tokens, &salt);
-        let needed = self.alloc_needed(tokens, &salt, k) as i64;
+        let (common, _) = self.lookup(tokens, &salt);
+        let (k_kv, k) = self.hits(tokens, &salt, common);
+        let needed = self.alloc_needed(tokens, &salt, k_kv) as i64;
         let reserve = (self.watermark * self.num_blocks as f64).floor() as i64;
         let slot = (self.state.as_ref())
             .is_none_or(|state| state.available(self.checkpoint(tokens, &salt, k)) >= 1);
         slot && self.available() as i64 - needed >= reserve
     }
 
-    /// The hit in blocks with the state group: the longest hit of at most `kv_hit` blocks
-    /// (the KV groups' common hit) that every KV group serves and a checkpoint resumes.
-    fn state_hit(&self, tokens: &[Token], salt: &Option<Vec<u8>>, kv_hit: usize) -> usize {
+    /// The hits in blocks given the KV groups' common hit: what the KV groups take and where
+    /// the state resumes. Full-attention KV groups take `common` and the state resumes at its
+    /// latest checkpoint at or before it; with a windowed group, both are the longest hit
+    /// every group serves and a checkpoint resumes.
+    fn hits(&self, tokens: &[Token], salt: &Option<Vec<u8>>, common: usize) -> (usize, usize) {
         if self.state.is_none() {
-            return kv_hit;
+            return (common, common);
         }
-        (0..=kv_hit)
+        let all_full = self.attention.iter().all(|&a| a == Attention::Full);
+        let k = (0..=common)
             .rev()
             .find(|&k| {
                 k == 0
-                    || (self.groups().all(|g| self.serves(g, tokens, salt, k))
+                    || ((all_full || self.groups().all(|g| self.serves(g, tokens, salt, k)))
                         && self.checkpoint(tokens, salt, k).is_some())
             })
-            .expect("0 is served")
+            .expect("0 is served");
+        (if all_full { common } else { k }, k)
     }
 
-    /// `cached_prefix_blocks`: the hit an admission would take now.
+    /// `cached_prefix_blocks`: where an admission now would resume the state.
     fn hit(&self, tokens: &[Token], salt: &Option<Vec<u8>>) -> usize {
-        let (kv_hit, _) = self.lookup(tokens, salt);
-        self.state_hit(tokens, salt, kv_hit)
+        let (common, _) = self.lookup(tokens, salt);
+        self.hits(tokens, salt, common).1
     }
 
     /// The checkpoint of the prompt's first `k` blocks (none for `k = 0`).
@@ -1071,6 +1225,18 @@ impl Model {
     fn no_state(&mut self) -> Expect<()> {
         if self.state.is_some() {
             self.seen.state_refusals += 1;
+            return Err(vec![invalid()]);
+        }
+        Ok(())
+    }
+
+    /// With a state group, every row's query must start at its sequence's state point.
+    fn check_resume(&mut self, seqs: &[SeqId], starts: &[usize]) -> Expect<()> {
+        let Some(state) = &self.state else {
+            return Ok(());
+        };
+        if (seqs.iter().zip(starts)).any(|(s, &start)| state.seqs[s].resume != start) {
+            self.seen.resume_refusals += 1;
             return Err(vec![invalid()]);
         }
         Ok(())
@@ -1275,6 +1441,8 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        let starts: Vec<usize> = seqs.iter().map(|s| self.seqs[s].tokens.len()).collect();
+        self.check_resume(seqs, &starts)?;
         // A completed copy may unshare another member's tail: those commits come first.
         for g in self.groups() {
             for &s in seqs {
@@ -1390,14 +1558,29 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        let starts: Vec<usize> = (seqs.iter().zip(query_lens))
+            .map(|(s, &q)| self.seqs[s].tokens.len() - q as usize)
+            .collect();
+        self.check_resume(seqs, &starts)?;
+        // With a state group, queries over KV planned already (a state recomputed over a KV
+        // hit) write no KV: slot -1.
+        let cached: Vec<usize> = (seqs.iter().zip(&starts))
+            .map(|(s, &start)| match self.state {
+                Some(_) => self.seqs[s].planned().saturating_sub(start),
+                None => 0,
+            })
+            .collect();
+        self.seen.recomputed_rows += cached.iter().filter(|&&n| n > 0).count() as u64;
         let mut plans = Vec::new();
         for g in self.groups() {
             let mut p = self.begin_plan(g);
-            for (&s, &q) in seqs.iter().zip(query_lens) {
+            for ((&s, &q), &start) in seqs.iter().zip(query_lens).zip(&starts) {
                 self.auto_commit(g, s);
-                let start = self.seqs[&s].tokens.len() - q as usize;
+                let n = cached[p.batch_size()];
                 self.release_behind(g, s, start);
+                let at = p.slot_mapping.len();
                 self.plan_row(g, s, q as usize, &mut p);
+                p.slot_mapping[at..at + n].fill(-1);
             }
             self.finish_plan(&mut p);
             plans.push(p);
@@ -1597,8 +1780,18 @@ impl Model {
         }
     }
 
+    /// The state group's refusal of a swap, after the KV groups' checks.
+    fn state_swap_error(&mut self, seqs: &[SeqId], to_gpu: bool) -> Expect<()> {
+        let Some(e) = (self.state.as_ref()).and_then(|st| st.swap_error(seqs, to_gpu)) else {
+            return Ok(());
+        };
+        if matches!(e, Error::OutOfStateSlots { .. }) {
+            self.seen.out_of_state_slots += 1;
+        }
+        Err(vec![e])
+    }
+
     fn swap_out(&mut self, seqs: &[SeqId]) -> Expect<Vec<Vec<[BlockId; 2]>>> {
-        self.no_state()?;
         let mut errs = self.side_errors(seqs, false);
         for &s in seqs {
             if let Some(m) = self.seqs.get(&s).filter(|m| !m.swapped) {
@@ -1622,6 +1815,7 @@ impl Model {
                 self.auto_commit(g, s);
             }
         }
+        self.state_swap_error(seqs, false)?;
         let needed: usize = self
             .groups()
             .map(|g| self.distinct_blocks(g, seqs).len())
@@ -1640,6 +1834,12 @@ impl Model {
             }
             self.move_tables(g, seqs, &pairs, false);
             all.push(pairs);
+        }
+        if self.state.is_some() {
+            for &s in seqs {
+                self.commit_states(s);
+            }
+            all.extend(self.state.as_mut().map(|state| state.swap_out(seqs)));
         }
         Ok(all)
     }
@@ -1669,6 +1869,10 @@ impl Model {
                     self.announce_cpu(s);
                 }
             }
+        }
+        if let Some(state) = &mut self.state {
+            self.seen.draining += state.confirm_swap_out(seqs);
+            self.seen.state_swap_outs += 1;
         }
         self.seen.swap_outs += 1;
         Ok(())
@@ -1704,7 +1908,6 @@ impl Model {
     }
 
     fn swap_in(&mut self, seqs: &[SeqId]) -> Expect<Vec<Vec<[BlockId; 2]>>> {
-        self.no_state()?;
         let mut errs = self.side_errors(seqs, true);
         for &s in seqs {
             if self
@@ -1718,6 +1921,7 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        self.state_swap_error(seqs, true)?;
         let needed: usize = self
             .groups()
             .map(|g| self.distinct_blocks(g, seqs).len())
@@ -1736,6 +1940,10 @@ impl Model {
             }
             self.move_tables(g, seqs, &pairs, true);
             all.push(pairs);
+        }
+        if let Some(state) = &mut self.state {
+            all.push(state.swap_in(seqs));
+            self.seen.state_swap_ins += 1;
         }
         Ok(all)
     }
@@ -1764,6 +1972,9 @@ impl Model {
                 }
                 self.commit_to(g, s, computed);
             }
+        }
+        if let Some(state) = &mut self.state {
+            state.confirm_swap_in(seqs);
         }
         self.seen.swap_ins += 1;
         Ok(())
@@ -2080,18 +2291,19 @@ fn count() -> impl Strategy<Value = Count> {
 }
 
 /// An operation; with a state group (`state`), the calls it refuses (loads, speculative
-/// steps, rollbacks, swaps) come less often and forks more often.
+/// steps, rollbacks) come less often, and forks and swaps more often.
 fn op(state: bool) -> impl Strategy<Value = Op> {
-    let (moving, speculative, fork) = if state { (1, 1, 4) } else { (2, 4, 2) };
+    let (loads, speculative, fork) = if state { (1, 1, 4) } else { (2, 4, 2) };
+    let swaps = if state { 4 } else { 2 };
     let append_tokens = prop_oneof![
         15 => prop::collection::vec(token(), 1..=5),
         1 => Just(Vec::new()),
     ];
     prop_oneof![
         8 => (new_ref(), prompt()).prop_map(|(seq, prompt)| Op::Allocate { seq, prompt }),
-        moving => (new_ref(), prompt(), 0usize..6)
+        loads => (new_ref(), prompt(), 0usize..6)
             .prop_map(|(seq, prompt, loadable)| Op::AllocateLoading { seq, prompt, loadable }),
-        moving => (live_ref(), count()).prop_map(|(seq, loaded)| Op::ConfirmLoads { seq, loaded }),
+        loads => (live_ref(), count()).prop_map(|(seq, loaded)| Op::ConfirmLoads { seq, loaded }),
         2 => prompt().prop_map(|prompt| Op::CanAllocate { prompt }),
         4 => (live_ref(), append_tokens).prop_map(|(seq, tokens)| Op::Append { seq, tokens }),
         7 => (
@@ -2132,10 +2344,10 @@ fn op(state: bool) -> impl Strategy<Value = Op> {
             .prop_map(|(batch, upto, extra_count)| Op::Commit { batch, upto, extra_count }),
         fork => (live_ref(), new_ref()).prop_map(|(parent, child)| Op::Fork { parent, child }),
         5 => live_ref().prop_map(|seq| Op::Free { seq }),
-        moving => batch(2).prop_map(|batch| Op::SwapOut { batch }),
-        moving => batch(2).prop_map(|batch| Op::ConfirmSwapOut { batch }),
-        moving => batch(3).prop_map(|batch| Op::SwapIn { batch }),
-        moving => batch(2).prop_map(|batch| Op::ConfirmSwapIn { batch }),
+        swaps => batch(2).prop_map(|batch| Op::SwapOut { batch }),
+        swaps => batch(2).prop_map(|batch| Op::ConfirmSwapOut { batch }),
+        swaps => batch(3).prop_map(|batch| Op::SwapIn { batch }),
+        swaps => batch(2).prop_map(|batch| Op::ConfirmSwapIn { batch }),
         1 => Just(Op::ResetPrefixCache),
         2 => Just(Op::TakeEvents),
     ]
@@ -2199,7 +2411,8 @@ enum Kind {
     /// A `BlockManager` with a sliding window or chunked-local attention.
     Windowed,
     /// A `HybridManager`: a full-attention group 0, then one or two windowed groups; half
-    /// of them with a state group.
+    /// of them with a state group, which half the time has one or two full-attention groups
+    /// alone instead.
     Hybrid,
 }
 
@@ -2214,8 +2427,8 @@ fn window(bs: u32) -> impl Strategy<Value = Attention> {
 }
 
 /// A state group of 1 to 16 slots (often fewer than the sequences the operations name, so
-/// they run out), any budget, checkpoints at prompt ends only or every one to three blocks, and a cap
-/// of 0 to 2 interval checkpoints per sequence.
+/// they run out), any budget, checkpoints at prompt ends only or every one to three blocks, a
+/// cap of 0 to 2 checkpoints per sequence and 0 to 4 CPU slots.
 fn state_config(bs: u32) -> impl Strategy<Value = StateConfig> {
     prop_oneof![1u32..=4, 5u32..=8, 9u32..=16]
         .prop_flat_map(move |num_slots| {
@@ -2224,16 +2437,16 @@ fn state_config(bs: u32) -> impl Strategy<Value = StateConfig> {
                 0..num_slots,
                 prop_oneof![2 => Just(0u32), 2 => Just(bs), 1 => (2u32..=3).prop_map(move |n| n * bs)],
                 prop_oneof![1 => Just(0u32), 3 => 1u32..=2],
+                prop_oneof![1 => Just(0u32), 4 => 1u32..=4],
             )
         })
         .prop_map(
-            |(num_slots, max_checkpoints, checkpoint_interval, checkpoints_per_sequence)| {
-                StateConfig {
-                    num_slots,
-                    max_checkpoints,
-                    checkpoint_interval,
-                    checkpoints_per_sequence,
-                }
+            |(num_slots, max_checkpoints, interval, per_sequence, num_cpu_slots)| StateConfig {
+                num_slots,
+                max_checkpoints,
+                checkpoint_interval: interval,
+                checkpoints_per_sequence: per_sequence,
+                num_cpu_slots,
             },
         )
 }
@@ -2249,14 +2462,19 @@ fn setup(
             let layout = match kind {
                 Kind::Full => Just(Layout::One(Attention::Full)).boxed(),
                 Kind::Windowed => window(bs).prop_map(Layout::One).boxed(),
+                // With a state group, also full-attention KV groups alone (the state recomputed
+                // over KV hits).
                 Kind::Hybrid => (
                     window(bs),
                     prop::option::weighted(0.4, window(bs)),
                     prop::option::of(state_config(bs)),
+                    prop_oneof![2 => Just(0usize), 1 => Just(1), 1 => Just(2)],
                 )
-                    .prop_map(|(a, b, state)| {
-                        let mut groups = vec![Attention::Full, a];
-                        groups.extend(b);
+                    .prop_map(|(a, b, state, full)| {
+                        let groups = match (&state, full) {
+                            (Some(_), 1..) => vec![Attention::Full; full],
+                            _ => [Attention::Full, a].into_iter().chain(b).collect(),
+                        };
                         Layout::Groups(groups, state)
                     })
                     .boxed(),
@@ -2426,6 +2644,8 @@ struct Harness {
     /// The engine's state tensors, modelled: the tokens each slot's state is after (`None`:
     /// never written).
     engine: Vec<Option<Vec<Token>>>,
+    /// The engine's CPU state slots, likewise.
+    cpu_engine: Vec<Option<Vec<Token>>>,
 }
 
 /// Whether a real error is one the model allows (InvalidArgument messages are free text).
@@ -2505,6 +2725,7 @@ impl Harness {
             ),
         };
         let engine = vec![None; layout.state().map_or(0, |s| s.num_slots as usize)];
+        let cpu_engine = vec![None; layout.state().map_or(0, |s| s.num_cpu_slots as usize)];
         let groups = attention.len();
         Harness {
             real,
@@ -2516,6 +2737,7 @@ impl Harness {
             mirrors: vec![Vec::new(); groups],
             stretch,
             engine,
+            cpu_engine,
         }
     }
 
@@ -2649,7 +2871,6 @@ impl Harness {
                 if *extra_token {
                     tokens.push(0);
                 }
-                let planned = self.planned(&seqs);
                 let model = self.model.step(&seqs, &tokens);
                 let plan = if persistent {
                     let real = self.real.step_batch(&mut self.batches, &tokens);
@@ -2659,7 +2880,7 @@ impl Harness {
                     self.same_planned(real, model)?
                 };
                 if let Some(plan) = plan {
-                    self.run_engine(&plan, &seqs, &planned)?;
+                    self.run_engine(&plan, &seqs)?;
                 }
             }
             Op::Plan { batch, query_lens } => {
@@ -2667,20 +2888,23 @@ impl Harness {
                 if seqs.is_empty() {
                     return Ok(());
                 }
+                // With a state group the natural query starts at the state point.
                 let qs: Vec<u32> = seqs
                     .iter()
                     .zip(query_lens.iter().cycle())
                     .map(|(s, q)| {
                         let (planned, _, len, _) = progress(self.model.seqs.get(s));
                         let lo = (len - planned).max(1);
-                        q.resolve(lo, len, lo) as u32
+                        let resume = (self.model.state.as_ref())
+                            .and_then(|state| state.seqs.get(s))
+                            .map_or(planned, |x| x.resume);
+                        q.resolve(lo, len, (len - resume.min(len)).max(1)) as u32
                     })
                     .collect();
-                let planned = self.planned(&seqs);
                 let real = self.real.plan(&seqs, &qs, &mut self.plans);
                 let model = self.model.plan(&seqs, &qs);
                 if let Some(plan) = self.same_planned(real, model)? {
-                    self.run_engine(&plan, &seqs, &planned)?;
+                    self.run_engine(&plan, &seqs)?;
                 }
             }
             Op::Verify {
@@ -2784,7 +3008,12 @@ impl Harness {
             Op::SwapOut { batch } => {
                 let seqs = self.resolve_batch(batch, Want::Resident);
                 if !seqs.is_empty() {
-                    same(self.real.swap_out(&seqs), self.model.swap_out(&seqs))?;
+                    let model = self.model.swap_out(&seqs);
+                    let pairs = model.clone().ok();
+                    same(self.real.swap_out(&seqs), model)?;
+                    if let Some(pairs) = pairs {
+                        self.swap_engine(&pairs, false);
+                    }
                 }
             }
             Op::ConfirmSwapOut { batch } => {
@@ -2799,7 +3028,12 @@ impl Harness {
             Op::SwapIn { batch } => {
                 let seqs = self.resolve_batch(batch, Want::SwappedOut);
                 if !seqs.is_empty() {
-                    same(self.real.swap_in(&seqs), self.model.swap_in(&seqs))?;
+                    let model = self.model.swap_in(&seqs);
+                    let pairs = model.clone().ok();
+                    same(self.real.swap_in(&seqs), model)?;
+                    if let Some(pairs) = pairs {
+                        self.swap_engine(&pairs, true);
+                    }
                 }
             }
             Op::ConfirmSwapIn { batch } => {
@@ -2935,23 +3169,10 @@ impl Harness {
         }
     }
 
-    /// Each sequence's `planned`, before a call plans them.
-    fn planned(&self, seqs: &[SeqId]) -> Vec<usize> {
-        (seqs.iter())
-            .map(|s| self.model.seqs.get(s).map_or(0, ModelSeq::planned))
-            .collect()
-    }
-
     /// Runs a state group's plan on the modelled state tensors: the copies, the resets, then
     /// each row's pass, which must start from the state after exactly the tokens before its
-    /// query (where it resumes at `planned`: a pass that recomputes planned tokens runs on a
-    /// state already past them, which no manager can undo) and saves where the plan says.
-    fn run_engine(
-        &mut self,
-        plan: &Plan,
-        seqs: &[SeqId],
-        planned: &[usize],
-    ) -> Result<(), TestCaseError> {
+    /// query, and saves where the plan says.
+    fn run_engine(&mut self, plan: &Plan, seqs: &[SeqId]) -> Result<(), TestCaseError> {
         if self.engine.is_empty() {
             return Ok(());
         }
@@ -2966,15 +3187,13 @@ impl Harness {
             let working = plan.state_slots[row] as usize;
             let q = (plan.qo_indptr[row + 1] - plan.qo_indptr[row]) as usize;
             let (start, end) = (tokens.len() - q, tokens.len());
-            if start == planned[row] {
-                prop_assert_eq!(
-                    self.engine[working].as_deref(),
-                    Some(&tokens[..start]),
-                    "sequence {}'s state before its pass",
-                    seq
-                );
-                self.model.seen.exact_rows += 1;
-            }
+            prop_assert_eq!(
+                self.engine[working].as_deref(),
+                Some(&tokens[..start]),
+                "sequence {}'s state before its pass",
+                seq
+            );
+            self.model.seen.exact_rows += 1;
             for save in plan.state_saves.chunks(3).filter(|s| s[0] as usize == row) {
                 let after = save[1] as usize;
                 prop_assert!((1..=q).contains(&after), "a save within the query");
@@ -2983,6 +3202,22 @@ impl Harness {
             self.engine[working] = Some(tokens[..end].to_vec());
         }
         Ok(())
+    }
+
+    /// Copies the state pairs a successful swap returned last (`[working, cpu]` out,
+    /// `[cpu, working]` in) on the modelled state tensors.
+    fn swap_engine(&mut self, pairs: &[Vec<[BlockId; 2]>], to_gpu: bool) {
+        if self.engine.is_empty() {
+            return;
+        }
+        for &[src, dst] in pairs.last().expect("the state pairs") {
+            let (src, dst) = (src as usize, dst as usize);
+            if to_gpu {
+                self.engine[dst] = self.cpu_engine[src].clone();
+            } else {
+                self.cpu_engine[dst] = self.engine[src].clone();
+            }
+        }
     }
 
     fn compare_events(&mut self) -> Result<(), TestCaseError> {
@@ -3189,7 +3424,7 @@ impl Harness {
                     prop_assert!(hybrid.has_state());
                     let ids = (0..=NUM_IDS).chain(model.seqs.keys().copied());
                     for s in ids {
-                        let working = state.seqs.get(&s).map(|x| x.working);
+                        let working = state.seqs.get(&s).and_then(StateSeq::gpu);
                         prop_assert_eq!(
                             hybrid.state_slot(s),
                             working.ok_or(Error::UnknownSequence(s)),
@@ -3316,8 +3551,10 @@ struct Summary {
     wide_window_cases: AtomicU64,
     chunk_cases: AtomicU64,
     chunk_and_window_cases: AtomicU64,
-    /// Cases with a state group, and what its slots went through.
+    /// Cases with a state group (and those with full-attention KV groups alone), and what its
+    /// slots went through.
     state_cases: AtomicU64,
+    full_state_cases: AtomicU64,
     state_hit_tokens: AtomicU64,
     state_saved: AtomicU64,
     state_skipped: AtomicU64,
@@ -3329,6 +3566,11 @@ struct Summary {
     chained_forks: AtomicU64,
     draining: AtomicU64,
     exact_rows: AtomicU64,
+    recomputed_hits: AtomicU64,
+    recomputed_rows: AtomicU64,
+    resume_refusals: AtomicU64,
+    state_swap_outs: AtomicU64,
+    state_swap_ins: AtomicU64,
 }
 
 impl Summary {
@@ -3376,6 +3618,10 @@ impl Summary {
             (&self.chunk_cases, chunk),
             (&self.chunk_and_window_cases, chunk * sliding),
             (&self.state_cases, u64::from(model.state.is_some())),
+            (
+                &self.full_state_cases,
+                u64::from(model.state.is_some() && has(&|a| *a != Attention::Full) == 0),
+            ),
             (&self.state_hit_tokens, state.prefix_hit_tokens),
             (&self.state_saved, state.saved),
             (&self.state_skipped, state.skipped),
@@ -3387,6 +3633,11 @@ impl Summary {
             (&self.chained_forks, seen.chained_forks),
             (&self.draining, seen.draining),
             (&self.exact_rows, seen.exact_rows),
+            (&self.recomputed_hits, seen.recomputed_hits),
+            (&self.recomputed_rows, seen.recomputed_rows),
+            (&self.resume_refusals, seen.resume_refusals),
+            (&self.state_swap_outs, seen.state_swap_outs),
+            (&self.state_swap_ins, seen.state_swap_ins),
         ] {
             counter.fetch_add(n, Ordering::Relaxed);
         }
@@ -3510,6 +3761,24 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>, kind: Kind) {
             ),
             ("draining working slots", &summary.draining),
             ("passes checked on the engine's states", &summary.exact_rows),
+            (
+                "state groups with full-attention KV groups alone",
+                &summary.full_state_cases,
+            ),
+            (
+                "KV hits past the state's checkpoint",
+                &summary.recomputed_hits,
+            ),
+            (
+                "rows recomputing the state over cached KV (slot -1)",
+                &summary.recomputed_rows,
+            ),
+            (
+                "passes refused for not starting at the state point",
+                &summary.resume_refusals,
+            ),
+            ("confirmed swap-outs of states", &summary.state_swap_outs),
+            ("swap-ins of states", &summary.state_swap_ins),
         ]);
     } else {
         assert_eq!(
@@ -3545,7 +3814,8 @@ fn windowed_manager_matches_model() {
     run_model(cases(), 1u32..=4, Kind::Windowed);
 }
 
-/// A full-attention group with one or two windowed groups over one pool.
+/// A full-attention group with one or two windowed groups over one pool, or full-attention
+/// groups alone beside a state group.
 #[test]
 fn hybrid_manager_matches_model() {
     run_model(cases(), 1u32..=4, Kind::Hybrid);
