@@ -259,6 +259,8 @@ def test_out_of_state_slots_is_out_of_blocks_and_changes_nothing() -> None:
     mgr = HybridManager(64, 4, [Attention.full()], state=StateConfig(2, max_checkpoints=1))
     mgr.allocate(1, [1, 2, 3])
     mgr.allocate(2, [4, 5, 6])
+    mgr.plan([1], [3])
+    mgr.commit([1])  # a parent forks once its tokens are computed
     before = mgr.stats(0)
     with pytest.raises(OutOfBlocks, match="state slots"):
         mgr.allocate(3, [7, 8, 9])

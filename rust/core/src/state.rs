@@ -136,6 +136,9 @@ struct Checkpoint {
     tokens: Box<[Token]>,
     /// Queued copies reading it.
     pins: u32,
+    /// Which registration it is: a sequence's cap drops only the checkpoints it registered,
+    /// not a later one in the same slot under the same key.
+    registration: u64,
 }
 
 /// A live sequence's slots.
@@ -154,8 +157,9 @@ struct SeqState {
     resume: usize,
     /// Saves of planned passes: (tokens the state is after, slot).
     saving: Vec<(usize, SlotId)>,
-    /// The checkpoints this sequence registered but its branch point's, oldest first.
-    kept: VecDeque<(MapKey, SlotId)>,
+    /// The checkpoints this sequence registered but its branch point's, oldest first: slot,
+    /// registration.
+    kept: VecDeque<(SlotId, u64)>,
 }
 
 /// A swapped sequence's CPU slot.
@@ -218,6 +222,8 @@ pub(crate) struct StateCache {
     num_saving: usize,
     /// Free slots of the CPU state pool.
     cpu_free: Vec<SlotId>,
+    /// Checkpoints registered so far, numbering each registration.
+    registrations: u64,
     stats: StateStats,
 }
 
@@ -236,6 +242,7 @@ impl StateCache {
             resets: Vec::new(),
             num_saving: 0,
             cpu_free: (0..config.num_cpu_slots).rev().collect(),
+            registrations: 0,
             stats: StateStats::default(),
             block_size: block_size as usize,
             config,
@@ -656,9 +663,9 @@ impl StateCache {
             self.num_saving -= 1;
             match prefix(point).filter(|p| !self.map.contains_key(&p.key)) {
                 Some(p) => {
-                    self.register(slot, &p);
+                    let registration = self.register(slot, &p);
                     if point != branch {
-                        self.keep(seq, p.key, slot);
+                        self.keep(seq, slot, registration);
                     }
                 }
                 None => self.release(slot),
@@ -666,38 +673,43 @@ impl StateCache {
         }
     }
 
-    fn register(&mut self, slot: SlotId, p: &SavedPrefix<'_>) {
+    /// Makes `slot` the checkpoint of `p`; returns which registration it is.
+    fn register(&mut self, slot: SlotId, p: &SavedPrefix<'_>) -> u64 {
+        self.registrations += 1;
         self.slots[slot as usize] = Slot::Checkpoint(Checkpoint {
             key: p.key,
             parent: p.parent,
             tokens: p.tokens.into(),
             pins: 0,
+            registration: self.registrations,
         });
         self.map.insert(p.key, slot);
         self.lru.push_back(slot);
         self.stats.saved += 1;
+        self.registrations
     }
 
     /// Counts a checkpoint against the sequence's cap, dropping its oldest beyond it.
-    fn keep(&mut self, seq: SeqId, key: MapKey, slot: SlotId) {
+    fn keep(&mut self, seq: SeqId, slot: SlotId, registration: u64) {
         let cap = self.config.checkpoints_per_sequence as usize;
         let s = self
             .seqs
             .get_mut(&seq)
             .expect("committed sequences are live");
-        s.kept.push_back((key, slot));
+        s.kept.push_back((slot, registration));
         if s.kept.len() <= cap {
             return;
         }
-        let (key, slot) = s.kept.pop_front().expect("over the cap");
-        let unpinned = matches!(&self.slots[slot as usize],
-            Slot::Checkpoint(c) if c.key == key && c.pins == 0);
-        if unpinned {
-            self.lru.remove(slot);
-            self.map.remove(&key);
-            self.release(slot);
-            self.stats.dropped += 1;
-        }
+        let (slot, registration) = s.kept.pop_front().expect("over the cap");
+        // Still its own (not evicted, the slot perhaps reused) and no queued copy reads it.
+        let key = match &self.slots[slot as usize] {
+            Slot::Checkpoint(c) if c.registration == registration && c.pins == 0 => c.key,
+            _ => return,
+        };
+        self.lru.remove(slot);
+        self.map.remove(&key);
+        self.release(slot);
+        self.stats.dropped += 1;
     }
 
     /// Drops every checkpoint no queued copy reads.

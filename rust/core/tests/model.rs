@@ -14,22 +14,34 @@
 //! cases run without auto-commit. Three kinds of layout run: a full-attention `BlockManager`, a
 //! windowed one (a random sliding window, within a block or wider, or a chunk of one to three
 //! blocks), and `HybridManager`s with a full-attention group 0 and one or two windowed groups
-//! over one pool. At the end each test asserts that the run really exercised prefix hits,
-//! copies, forks, swaps, evictions, CPU-tier events, external loads and both commit modes, and
-//! with windows: releases out of the window (cached at the front and, resuming a prompt, at the
-//! back), evictions of front blocks, window hits, refused plans and rollbacks, and (hybrid) hits
-//! a group shortened.
+//! over one pool, half of them with a state group of 1 to 16 slots (a random `StateConfig`),
+//! half of those with full-attention KV groups alone (the state recomputed over KV hits).
+//! The state model is a slot array with a `Vec` as the free stack, a `VecDeque` as the LRU of
+//! unpinned checkpoints, a `HashMap` from group 0's key to checkpoint, the queue of copies and
+//! resets and a `Vec` as the CPU slots' free stack; after every operation the test also
+//! compares the plans' `state_*` inputs (exact slot ids) and slot -1s, every `state_slot` and
+//! `state_stats`, and runs every plan and swap on a model of the engine's state tensors (GPU
+//! and CPU), where each pass must start from the state after exactly the tokens before its
+//! query. At the end each test asserts that the run
+//! really exercised prefix hits, copies, forks, swaps, evictions, CPU-tier events, external
+//! loads and both commit modes, and with windows: releases out of the window (cached at the
+//! front and, resuming a prompt, at the back), evictions of front blocks, window hits, refused
+//! plans and rollbacks, and (hybrid) hits a group shortened; with states: checkpoint hits,
+//! saves, skips, evictions and cap drops, branch points, KV hits past the state's checkpoint
+//! and the rows recomputing it, forks of queued states, draining slots, swaps of states,
+//! passes refused off the state point, OutOfStateSlots and the calls a state group refuses.
 //!
 //! Where SEMANTICS.md leaves an order open (which of several validation errors wins), the model
 //! returns every error that applies and the real one must be among them; capacity errors
-//! (`OutOfBlocks`) are exact. Set `PROPTEST_CASES` to change the number of cases.
+//! (`OutOfBlocks`, `OutOfStateSlots`) are exact. Set `PROPTEST_CASES` to change the number of
+//! cases.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use pagedkv::{
     Attention, Batch as PersistentBatch, BlockId, BlockManager, Config, Error, Event, EventKind,
-    HybridManager, Plan, PoolKind, SeqId, Stats, Token,
+    HybridManager, Plan, PoolKind, SeqId, SlotId, StateConfig, StateStats, Stats, Token,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -174,6 +186,24 @@ struct Seen {
     shortened_hits: u64,
     /// Plans and rollbacks refused because they would read released blocks.
     window_refusals: u64,
+    /// State group: admissions and forks refused for want of a slot, calls refused because
+    /// a state cannot move or roll back, admissions that set a branch point, forks of a
+    /// parent whose own copy was still queued, frees that left a DRAINING slot, and rows
+    /// whose working state the engine model checked.
+    out_of_state_slots: u64,
+    state_refusals: u64,
+    branch_points: u64,
+    chained_forks: u64,
+    draining: u64,
+    exact_rows: u64,
+    /// State group: admissions whose KV hit is past the state's, plan rows that recompute
+    /// the state over cached KV (slot -1), passes refused for not starting at the state
+    /// point, confirmed swap-outs of states and swap-ins of states.
+    recomputed_hits: u64,
+    recomputed_rows: u64,
+    resume_refusals: u64,
+    state_swap_outs: u64,
+    state_swap_ins: u64,
 }
 
 /// One group's counters (SEMANTICS.md's stats that differ between groups).
@@ -186,6 +216,475 @@ struct GroupCounters {
     external_query: u64,
     external_hit: u64,
     external_failures: u64,
+}
+
+/// What a state slot holds (SEMANTICS.md, "State group").
+#[derive(Clone, Debug)]
+enum StateSlot {
+    Free,
+    Working(SeqId),
+    Saving(SeqId),
+    /// A committed checkpoint: group 0's key of the prefix it is the state after, the queued
+    /// copies reading it, and which registration it is (for the per-sequence cap).
+    Checkpoint {
+        key: Key,
+        pins: u32,
+        registration: u64,
+    },
+    Draining,
+}
+
+/// A live sequence's slots.
+#[derive(Clone, Debug)]
+struct StateSeq {
+    working: SlotId,
+    /// The CPU slot of a swapped sequence, and whether it still holds `working` (until its
+    /// swap-out is confirmed, and again from its swap-in on).
+    swap: Option<(SlotId, bool)>,
+    prompt_point: usize,
+    /// 0: none.
+    branch: usize,
+    /// The state point: the tokens its working state holds once the planned passes ran.
+    resume: usize,
+    /// Saves of planned passes, in the order they were planned: (point, slot).
+    saving: Vec<(usize, SlotId)>,
+    /// The checkpoints it registered but its branch point's, oldest first: (slot,
+    /// registration).
+    kept: VecDeque<(SlotId, u64)>,
+}
+
+impl StateSeq {
+    /// The GPU slot it holds, if any.
+    fn gpu(&self) -> Option<SlotId> {
+        match self.swap {
+            Some((_, false)) => None,
+            _ => Some(self.working),
+        }
+    }
+}
+
+/// The state group: a slot array, the free stack, the LRU of unpinned checkpoints, the map
+/// from keys to checkpoints and the queue of copies and resets.
+struct StateModel {
+    config: StateConfig,
+    bs: usize,
+    slots: Vec<StateSlot>,
+    /// The free stack; the top is the end.
+    free: Vec<SlotId>,
+    /// Unpinned checkpoints; the head is the next victim.
+    lru: VecDeque<SlotId>,
+    map: HashMap<Key, SlotId>,
+    seqs: BTreeMap<SeqId, StateSeq>,
+    copies: Vec<[SlotId; 2]>,
+    resets: Vec<SlotId>,
+    /// The CPU free stack; the top is the end.
+    cpu_free: Vec<SlotId>,
+    registrations: u64,
+    /// The counters (the slot counts are computed by `stats`).
+    counters: StateStats,
+}
+
+impl StateModel {
+    fn new(config: StateConfig, bs: usize) -> StateModel {
+        let n = config.num_slots;
+        StateModel {
+            slots: vec![StateSlot::Free; n as usize],
+            free: (0..n).rev().collect(),
+            lru: VecDeque::new(),
+            map: HashMap::new(),
+            seqs: BTreeMap::new(),
+            copies: Vec::new(),
+            resets: Vec::new(),
+            cpu_free: (0..config.num_cpu_slots).rev().collect(),
+            registrations: 0,
+            counters: StateStats::default(),
+            config,
+            bs,
+        }
+    }
+
+    fn num_saving(&self) -> usize {
+        (self.slots.iter())
+            .filter(|s| matches!(s, StateSlot::Saving(_)))
+            .count()
+    }
+
+    /// Slots a working slot could be taken from: FREE ones and unpinned checkpoints but
+    /// `keep`.
+    fn available(&self, keep: Option<SlotId>) -> usize {
+        let kept = keep.is_some_and(|slot| self.lru.contains(&slot));
+        self.free.len() + self.lru.len() - usize::from(kept)
+    }
+
+    fn release(&mut self, slot: SlotId) {
+        self.slots[slot as usize] = StateSlot::Free;
+        self.free.push(slot);
+    }
+
+    /// Evicts the LRU checkpoint; returns its slot, not yet reused.
+    fn evict(&mut self) -> Option<SlotId> {
+        let slot = self.lru.pop_front()?;
+        let StateSlot::Checkpoint { key, .. } = &self.slots[slot as usize] else {
+            panic!("model: the LRU holds checkpoints");
+        };
+        assert_eq!(self.map.remove(key), Some(slot));
+        self.counters.evictions += 1;
+        Some(slot)
+    }
+
+    /// A FREE slot, else the LRU checkpoint's.
+    fn take(&mut self) -> Option<SlotId> {
+        self.free.pop().or_else(|| self.evict())
+    }
+
+    fn pin(&mut self, slot: SlotId) {
+        let StateSlot::Checkpoint { pins, .. } = &mut self.slots[slot as usize] else {
+            panic!("model: pinning a checkpoint");
+        };
+        if *pins == 0 {
+            let at = self.lru.iter().position(|&s| s == slot).expect("unpinned");
+            self.lru.remove(at);
+        }
+        *pins += 1;
+    }
+
+    /// A queued copy out of `slot` was handed out or dropped.
+    fn unpin(&mut self, slot: SlotId) {
+        match &mut self.slots[slot as usize] {
+            StateSlot::Checkpoint { pins, .. } => {
+                *pins -= 1;
+                if *pins == 0 {
+                    self.lru.push_back(slot);
+                }
+            }
+            StateSlot::Draining if !self.copies.iter().any(|&[src, _]| src == slot) => {
+                self.release(slot);
+            }
+            _ => {}
+        }
+    }
+
+    /// Admits `seq` (a slot was checked available), from the checkpoint in `hit` or reset;
+    /// its state point is `resume`.
+    fn admit(
+        &mut self,
+        seq: SeqId,
+        hit: Option<SlotId>,
+        prompt_len: usize,
+        branch: usize,
+        resume: usize,
+    ) {
+        if let Some(src) = hit {
+            self.pin(src);
+        }
+        let working = self.take().expect("model: checked available");
+        self.slots[working as usize] = StateSlot::Working(seq);
+        match hit {
+            Some(src) => self.copies.push([src, working]),
+            None => self.resets.push(working),
+        }
+        let state = StateSeq {
+            working,
+            swap: None,
+            prompt_point: prompt_len / self.bs * self.bs,
+            branch,
+            resume,
+            saving: Vec::new(),
+            kept: VecDeque::new(),
+        };
+        self.seqs.insert(seq, state);
+    }
+
+    /// The child's working slot receives what the parent's will hold; returns whether that
+    /// is a queued copy's source (a chain of forks before a plan).
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> bool {
+        let p = self.seqs[&parent].clone();
+        let working = self.take().expect("model: checked available");
+        self.slots[working as usize] = StateSlot::Working(child);
+        let mut chained = false;
+        if self.resets.contains(&p.working) {
+            self.resets.push(working);
+        } else {
+            let queued = self.copies.iter().find(|&&[_, dst]| dst == p.working);
+            chained = queued.is_some();
+            let src = queued.map_or(p.working, |&[src, _]| src);
+            if let StateSlot::Checkpoint { pins, .. } = &mut self.slots[src as usize] {
+                *pins += 1;
+            }
+            self.copies.push([src, working]);
+        }
+        let state = StateSeq {
+            working,
+            swap: None,
+            saving: Vec::new(),
+            kept: VecDeque::new(),
+            ..p
+        };
+        self.seqs.insert(child, state);
+        chained
+    }
+
+    /// Ends `seq`; returns whether its working slot is DRAINING.
+    fn free(&mut self, seq: SeqId) -> bool {
+        let s = self.seqs.remove(&seq).expect("model: live");
+        for &(_, slot) in &s.saving {
+            let saving = &self.slots[slot as usize];
+            assert!(
+                matches!(saving, StateSlot::Saving(w) if *w == seq),
+                "model: {saving:?}"
+            );
+            self.release(slot);
+        }
+        if let Some((cpu, _)) = s.swap {
+            self.cpu_free.push(cpu);
+        }
+        s.gpu()
+            .is_some_and(|working| self.release_working(seq, working))
+    }
+
+    /// Releases the working slot `seq` no longer holds: queued copies and resets into it are
+    /// dropped; it is DRAINING (returns true) if a queued copy reads it, else FREE.
+    fn release_working(&mut self, seq: SeqId, working: SlotId) -> bool {
+        let held = &self.slots[working as usize];
+        assert!(
+            matches!(held, StateSlot::Working(w) if *w == seq),
+            "model: {held:?}"
+        );
+        let mut unpinned = Vec::new();
+        self.copies.retain(|&[src, dst]| {
+            if dst == working {
+                unpinned.push(src);
+            }
+            dst != working
+        });
+        self.resets.retain(|&slot| slot != working);
+        for src in unpinned {
+            self.unpin(src);
+        }
+        let draining = self.copies.iter().any(|&[src, _]| src == working);
+        if draining {
+            self.slots[working as usize] = StateSlot::Draining;
+        } else {
+            self.release(working);
+        }
+        draining
+    }
+
+    /// Why `seqs` cannot swap out (`to_gpu`: in), checked after the KV groups' checks.
+    fn swap_error(&self, seqs: &[SeqId], to_gpu: bool) -> Option<Error> {
+        if to_gpu {
+            let available = self.available(None);
+            return (available < seqs.len()).then_some(Error::OutOfStateSlots {
+                needed: seqs.len(),
+                available,
+            });
+        }
+        let written = |seq: &SeqId| {
+            let working = self.seqs[seq].working;
+            self.resets.contains(&working) || self.copies.iter().any(|&[_, dst]| dst == working)
+        };
+        if seqs.iter().any(written) {
+            return Some(invalid());
+        }
+        let available = self.cpu_free.len();
+        (available < seqs.len()).then_some(Error::OutOfStateSlots {
+            needed: seqs.len(),
+            available,
+        })
+    }
+
+    /// Moves the states of `seqs` (their due saves committed) to CPU slots: the rest of their
+    /// saves are FREE; returns the `[working, cpu]` pairs.
+    fn swap_out(&mut self, seqs: &[SeqId]) -> Vec<[BlockId; 2]> {
+        let mut pairs = Vec::new();
+        for seq in seqs {
+            let cpu = self.cpu_free.pop().expect("model: checked available");
+            let s = self.seqs.get_mut(seq).expect("model: live");
+            s.swap = Some((cpu, true));
+            pairs.push([s.working, cpu]);
+            for (_, slot) in std::mem::take(&mut s.saving) {
+                self.release(slot);
+            }
+        }
+        pairs
+    }
+
+    /// Returns how many working slots went DRAINING.
+    fn confirm_swap_out(&mut self, seqs: &[SeqId]) -> u64 {
+        let mut draining = 0;
+        for &seq in seqs {
+            let s = self.seqs.get_mut(&seq).expect("model: live");
+            let (cpu, _) = s.swap.expect("model: swapped");
+            s.swap = Some((cpu, false));
+            let working = s.working;
+            draining += u64::from(self.release_working(seq, working));
+        }
+        draining
+    }
+
+    /// New working slots for `seqs` (checked available); returns the `[cpu, working]` pairs.
+    fn swap_in(&mut self, seqs: &[SeqId]) -> Vec<[BlockId; 2]> {
+        let mut pairs = Vec::new();
+        for &seq in seqs {
+            let working = self.take().expect("model: checked available");
+            self.slots[working as usize] = StateSlot::Working(seq);
+            let s = self.seqs.get_mut(&seq).expect("model: live");
+            let (cpu, _) = s.swap.expect("model: swapped");
+            s.swap = Some((cpu, true));
+            s.working = working;
+            pairs.push([cpu, working]);
+        }
+        pairs
+    }
+
+    fn confirm_swap_in(&mut self, seqs: &[SeqId]) {
+        for seq in seqs {
+            let s = self.seqs.get_mut(seq).expect("model: live");
+            let (cpu, _) = s.swap.take().expect("model: swapped");
+            self.cpu_free.push(cpu);
+        }
+    }
+
+    /// Commits the saves of `seq` at points up to `computed`, registered under `key(point)`
+    /// (none: unknown).
+    fn commit(&mut self, seq: SeqId, computed: usize, key: impl Fn(usize) -> Option<Key>) {
+        let s = self.seqs.get_mut(&seq).expect("model: live");
+        let (mut done, left): (Vec<_>, Vec<_>) =
+            (s.saving.drain(..)).partition(|&(point, _)| point <= computed);
+        s.saving = left;
+        let branch = s.branch;
+        done.sort_by_key(|&(point, _)| point);
+        for (point, slot) in done {
+            match key(point).filter(|k| !self.map.contains_key(k)) {
+                Some(key) => {
+                    self.registrations += 1;
+                    let registration = self.registrations;
+                    self.map.insert(key.clone(), slot);
+                    self.slots[slot as usize] = StateSlot::Checkpoint {
+                        key,
+                        pins: 0,
+                        registration,
+                    };
+                    self.lru.push_back(slot);
+                    self.counters.saved += 1;
+                    if point != branch {
+                        self.keep(seq, slot, registration);
+                    }
+                }
+                None => self.release(slot),
+            }
+        }
+    }
+
+    /// The per-sequence cap: beyond it, the sequence's oldest checkpoint is dropped if it is
+    /// still that checkpoint and unpinned.
+    fn keep(&mut self, seq: SeqId, slot: SlotId, registration: u64) {
+        let s = self.seqs.get_mut(&seq).expect("model: live");
+        s.kept.push_back((slot, registration));
+        if s.kept.len() <= self.config.checkpoints_per_sequence as usize {
+            return;
+        }
+        let (slot, registration) = s.kept.pop_front().expect("over the cap");
+        if let StateSlot::Checkpoint {
+            key,
+            pins: 0,
+            registration: r,
+        } = &self.slots[slot as usize]
+        {
+            if *r == registration {
+                assert_eq!(self.map.remove(key), Some(slot));
+                let at = self.lru.iter().position(|&s| s == slot).expect("unpinned");
+                self.lru.remove(at);
+                self.release(slot);
+                self.counters.dropped += 1;
+            }
+        }
+    }
+
+    /// The state inputs of a pass over `rows` (sequence, query start, query end), after
+    /// their saves were committed: the queue, each row's working slot and its saves.
+    fn plan(&mut self, rows: &[(SeqId, usize, usize)], plan: &mut Plan) {
+        let queued = std::mem::take(&mut self.copies);
+        plan.state_copies = (queued.iter())
+            .flat_map(|&[src, dst]| [src as i32, dst as i32])
+            .collect();
+        for &[src, _] in &queued {
+            self.unpin(src);
+        }
+        plan.state_resets = (self.resets.drain(..)).map(|s| s as i32).collect();
+        let (bs, interval) = (self.bs, self.config.checkpoint_interval as usize);
+        for (row, &(seq, start, end)) in rows.iter().enumerate() {
+            let s = self.seqs.get_mut(&seq).expect("model: live");
+            s.resume = end;
+            plan.state_slots.push(s.working as i32);
+            // The prompt point, the branch point, then the last interval multiples the cap
+            // keeps, latest first; none already being saved.
+            let in_query = |p: usize| p > start && p <= end;
+            let mut points: Vec<usize> = Vec::new();
+            for p in [s.prompt_point, s.branch] {
+                if in_query(p) && !points.contains(&p) {
+                    points.push(p);
+                }
+            }
+            if interval > 0 {
+                let marked = [s.prompt_point, s.branch];
+                let multiples = ((start / bs + 1) * bs..=end)
+                    .rev()
+                    .filter(|&p| p % interval == 0 && !marked.contains(&p))
+                    .take(self.config.checkpoints_per_sequence as usize);
+                points.extend(multiples);
+            }
+            points.retain(|&p| s.saving.iter().all(|&(q, _)| q != p));
+            let first_save = plan.state_saves.len();
+            for point in points {
+                let budget = self.map.len() + self.num_saving();
+                let slot = if budget >= self.config.max_checkpoints as usize {
+                    self.evict()
+                } else {
+                    self.take()
+                };
+                let Some(slot) = slot else {
+                    self.counters.skipped += 1;
+                    continue;
+                };
+                self.slots[slot as usize] = StateSlot::Saving(seq);
+                let s = self.seqs.get_mut(&seq).expect("model: live");
+                s.saving.push((point, slot));
+                plan.state_saves
+                    .extend([row as i32, (point - start) as i32, slot as i32]);
+            }
+            let mut saves: Vec<[i32; 3]> = (plan.state_saves[first_save..].chunks(3))
+                .map(|t| [t[0], t[1], t[2]])
+                .collect();
+            saves.sort_by_key(|t| t[1]);
+            plan.state_saves.truncate(first_save);
+            plan.state_saves.extend(saves.into_iter().flatten());
+        }
+    }
+
+    /// `reset_prefix_cache`: every unpinned checkpoint is FREE, in LRU order.
+    fn reset(&mut self) {
+        while let Some(slot) = self.lru.pop_front() {
+            let StateSlot::Checkpoint { key, .. } = &self.slots[slot as usize] else {
+                panic!("model: the LRU holds checkpoints");
+            };
+            assert_eq!(self.map.remove(key), Some(slot));
+            self.release(slot);
+        }
+    }
+
+    fn stats(&self) -> StateStats {
+        StateStats {
+            num_slots: self.slots.len(),
+            num_free: self.free.len(),
+            num_working: self.seqs.values().filter(|s| s.gpu().is_some()).count(),
+            num_checkpoints: self.map.len(),
+            num_saving: self.num_saving(),
+            num_cpu_slots: self.config.num_cpu_slots as usize,
+            num_cpu_free: self.cpu_free.len(),
+            ..self.counters
+        }
+    }
 }
 
 /// SEMANTICS.md executed literally, one plain data structure per concept.
@@ -217,6 +716,8 @@ struct Model {
     seqs: BTreeMap<SeqId, ModelSeq>,
     events: Vec<ModelEvent>,
     counters: Vec<GroupCounters>,
+    /// The state group, if the manager has one.
+    state: Option<StateModel>,
     seen: Seen,
 }
 
@@ -230,7 +731,7 @@ fn has_repeats(seqs: &[SeqId]) -> bool {
 }
 
 impl Model {
-    fn new(cfg: &Config, attention: &[Attention]) -> Model {
+    fn new(cfg: &Config, attention: &[Attention], state: Option<StateConfig>) -> Model {
         let n = cfg.num_blocks as usize;
         Model {
             bs: cfg.block_size as usize,
@@ -255,6 +756,7 @@ impl Model {
             seqs: BTreeMap::new(),
             events: Vec::new(),
             counters: vec![GroupCounters::default(); attention.len()],
+            state: state.map(|c| StateModel::new(c, cfg.block_size as usize)),
             seen: Seen::default(),
         }
     }
@@ -545,6 +1047,9 @@ impl Model {
         salt: Option<&[u8]>,
         loadable: Option<usize>,
     ) -> Expect<(usize, Vec<Vec<BlockId>>)> {
+        if loadable.is_some() {
+            self.no_state()?;
+        }
         let mut errs = Vec::new();
         if self.seqs.contains_key(&seq) {
             errs.push(Error::DuplicateSequence(seq));
@@ -556,8 +1061,20 @@ impl Model {
             return Err(errs);
         }
         let salt = salt.map(<[u8]>::to_vec);
-        let (k, allowed) = self.lookup(tokens, &salt);
-        let needed = self.alloc_needed(tokens, &salt, k);
+        let (common, allowed) = self.lookup(tokens, &salt);
+        let (k_kv, k) = self.hits(tokens, &salt, common);
+        let resumed = self.checkpoint(tokens, &salt, k);
+        if let Some(state) = &self.state {
+            let available = state.available(resumed);
+            if available < 1 {
+                self.seen.out_of_state_slots += 1;
+                return Err(vec![Error::OutOfStateSlots {
+                    needed: 1,
+                    available,
+                }]);
+            }
+        }
+        let needed = self.alloc_needed(tokens, &salt, k_kv);
         if needed > self.available() {
             let available = self.available();
             return self.out_of_blocks(PoolKind::Gpu, needed, available);
@@ -566,30 +1083,30 @@ impl Model {
         // Every group's hits are acquired before any group takes a fresh block.
         let mut groups = Vec::new();
         for g in self.groups() {
-            let first = self.first_block(g, k * self.bs);
-            let hits = self.hit_blocks(g, tokens, &salt, k);
+            let first = self.first_block(g, k_kv * self.bs);
+            let hits = self.hit_blocks(g, tokens, &salt, k_kv);
             for &b in &hits {
                 self.acquire_hit(b);
             }
-            self.seen.window_hits += u64::from(k > 0 && first > 0);
+            self.seen.window_hits += u64::from(k_kv > 0 && first > 0);
             groups.push(GroupSeq {
                 table: hits,
                 first,
-                computed: k * self.bs,
-                planned: k * self.bs,
-                registered: k,
+                computed: k_kv * self.bs,
+                planned: k_kv * self.bs,
+                registered: k_kv,
                 copies: Vec::new(),
                 copying: Vec::new(),
                 swap_source: None,
             });
         }
         for (g, gs) in groups.iter_mut().enumerate() {
-            for _ in k..n {
+            for _ in k_kv..n {
                 let b = self.take(g);
                 gs.table.push(b);
             }
         }
-        self.seen.shortened_hits += u64::from(allowed.iter().any(|&a| a > k));
+        self.seen.shortened_hits += u64::from(allowed.iter().any(|&a| a > k_kv));
         let hittable = n - 1;
         let m = match loadable {
             Some(l) if self.caching => l.min(hittable).saturating_sub(k),
@@ -603,8 +1120,23 @@ impl Model {
                 c.external_query += ((hittable - k) * self.bs) as u64;
             }
             c.query_tokens += tokens.len() as u64;
-            c.hit_tokens += (k * self.bs) as u64;
+            c.hit_tokens += (k_kv * self.bs) as u64;
             c.allowed_tokens += (allowed * self.bs) as u64;
+        }
+        // The state group alone allowed the longest checkpointed prefix it holds.
+        let state_allowed = (1..=hittable)
+            .rev()
+            .find(|&k| self.checkpoint(tokens, &salt, k).is_some())
+            .unwrap_or(0);
+        if let Some(state) = &mut self.state {
+            state.counters.prefix_allowed_tokens += (state_allowed * self.bs) as u64;
+            state.counters.prefix_hit_tokens += (k * self.bs) as u64;
+            // The KV was cached further than the state: the next prompt branching there
+            // resumes from a checkpoint saved there.
+            let branch = if common > k { common * self.bs } else { 0 };
+            self.seen.branch_points += u64::from(branch > 0);
+            self.seen.recomputed_hits += u64::from(k_kv > k);
+            state.admit(seq, resumed, tokens.len(), branch, k * self.bs);
         }
         self.seqs.insert(
             seq,
@@ -621,6 +1153,7 @@ impl Model {
     }
 
     fn confirm_loads(&mut self, seq: SeqId, loaded: usize) -> Expect<()> {
+        self.no_state()?;
         let Some(s) = self.seqs.get_mut(&seq) else {
             return Err(vec![Error::UnknownSequence(seq)]);
         };
@@ -646,10 +1179,94 @@ impl Model {
 
     fn can_allocate(&self, tokens: &[Token], salt: Option<&[u8]>) -> bool {
         let salt = salt.map(<[u8]>::to_vec);
-        let (k, _) = self.lookup(tokens, &salt);
-        let needed = self.alloc_needed(tokens, &salt, k) as i64;
+        let (common, _) = self.lookup(tokens, &salt);
+        let (k_kv, k) = self.hits(tokens, &salt, common);
+        let needed = self.alloc_needed(tokens, &salt, k_kv) as i64;
         let reserve = (self.watermark * self.num_blocks as f64).floor() as i64;
-        self.available() as i64 - needed >= reserve
+        let slot = (self.state.as_ref())
+            .is_none_or(|state| state.available(self.checkpoint(tokens, &salt, k)) >= 1);
+        slot && self.available() as i64 - needed >= reserve
+    }
+
+    /// The hits in blocks given the KV groups' common hit: what the KV groups take and where
+    /// the state resumes. Full-attention KV groups take `common` and the state resumes at its
+    /// latest checkpoint at or before it; with a windowed group, both are the longest hit
+    /// every group serves and a checkpoint resumes.
+    fn hits(&self, tokens: &[Token], salt: &Option<Vec<u8>>, common: usize) -> (usize, usize) {
+        if self.state.is_none() {
+            return (common, common);
+        }
+        let all_full = self.attention.iter().all(|&a| a == Attention::Full);
+        let k = (0..=common)
+            .rev()
+            .find(|&k| {
+                k == 0
+                    || ((all_full || self.groups().all(|g| self.serves(g, tokens, salt, k)))
+                        && self.checkpoint(tokens, salt, k).is_some())
+            })
+            .expect("0 is served");
+        (if all_full { common } else { k }, k)
+    }
+
+    /// `cached_prefix_blocks`: where an admission now would resume the state.
+    fn hit(&self, tokens: &[Token], salt: &Option<Vec<u8>>) -> usize {
+        let (common, _) = self.lookup(tokens, salt);
+        self.hits(tokens, salt, common).1
+    }
+
+    /// The checkpoint of the prompt's first `k` blocks (none for `k = 0`).
+    fn checkpoint(&self, tokens: &[Token], salt: &Option<Vec<u8>>, k: usize) -> Option<SlotId> {
+        let state = self.state.as_ref()?;
+        let last = k.checked_sub(1)?;
+        state.map.get(&self.key(0, salt, tokens, last)).copied()
+    }
+
+    /// Refuses a call that would move, roll back or load a recurrent state.
+    fn no_state(&mut self) -> Expect<()> {
+        if self.state.is_some() {
+            self.seen.state_refusals += 1;
+            return Err(vec![invalid()]);
+        }
+        Ok(())
+    }
+
+    /// With a state group, every row's query must start at its sequence's state point.
+    fn check_resume(&mut self, seqs: &[SeqId], starts: &[usize]) -> Expect<()> {
+        let Some(state) = &self.state else {
+            return Ok(());
+        };
+        if (seqs.iter().zip(starts)).any(|(s, &start)| state.seqs[s].resume != start) {
+            self.seen.resume_refusals += 1;
+            return Err(vec![invalid()]);
+        }
+        Ok(())
+    }
+
+    /// Commits the state saves of `seq` its computed tokens reach, under group 0's keys.
+    fn commit_states(&mut self, seq: SeqId) {
+        let (Some(state), Some(m)) = (self.state.as_mut(), self.seqs.get(&seq)) else {
+            return;
+        };
+        let caching = self.caching;
+        state.commit(seq, m.computed(), |point| {
+            caching.then(|| (0, m.salt.clone(), m.tokens[..point].to_vec()))
+        });
+    }
+
+    /// The state inputs of a pass whose rows are `(sequence, query start)`, into group 0's
+    /// plan: every row's due saves are committed first, then the queue and rows are planned.
+    fn plan_states(&mut self, rows: &[(SeqId, usize)], plan: &mut Plan) {
+        if self.state.is_none() {
+            return;
+        }
+        for &(seq, _) in rows {
+            self.commit_states(seq);
+        }
+        let rows: Vec<(SeqId, usize, usize)> = (rows.iter())
+            .map(|&(seq, start)| (seq, start, self.seqs[&seq].tokens.len()))
+            .collect();
+        let state = self.state.as_mut().expect("checked");
+        state.plan(&rows, plan);
     }
 
     /// Blocks group `g` takes to append `m` tokens to `s`.
@@ -722,9 +1339,13 @@ impl Model {
         let s = self.seqs.get_mut(&seq).expect("model: validated");
         let prompt = s.prompt_len == s.tokens.len();
         self.do_append(seq, tokens);
+        let s = self.seqs.get_mut(&seq).expect("model: validated");
         if prompt {
-            let s = self.seqs.get_mut(&seq).expect("model: validated");
             s.prompt_len = s.tokens.len();
+        }
+        if let Some(state) = &mut self.state {
+            let point = s.prompt_len / self.bs * self.bs;
+            state.seqs.get_mut(&seq).expect("model: live").prompt_point = point;
         }
         Ok(())
     }
@@ -820,6 +1441,8 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        let starts: Vec<usize> = seqs.iter().map(|s| self.seqs[s].tokens.len()).collect();
+        self.check_resume(seqs, &starts)?;
         // A completed copy may unshare another member's tail: those commits come first.
         for g in self.groups() {
             for &s in seqs {
@@ -860,12 +1483,15 @@ impl Model {
             self.finish_plan(&mut p);
             plans.push(p);
         }
+        let rows: Vec<(SeqId, usize)> = seqs.iter().copied().zip(starts).collect();
+        self.plan_states(&rows, &mut plans[0]);
         Ok(plans)
     }
 
     /// `rollback`: drops the last `counts[i]` (uncommitted) tokens of `seqs[i]`; in each
     /// group, group by group, the blocks past the new length are released, last first.
     fn rollback(&mut self, seqs: &[SeqId], counts: &[usize]) -> Expect<()> {
+        self.no_state()?;
         let mut errs = Vec::new();
         if seqs.len() != counts.len() || has_repeats(seqs) {
             errs.push(invalid());
@@ -932,18 +1558,37 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        let starts: Vec<usize> = (seqs.iter().zip(query_lens))
+            .map(|(s, &q)| self.seqs[s].tokens.len() - q as usize)
+            .collect();
+        self.check_resume(seqs, &starts)?;
+        // With a state group, queries over KV planned already (a state recomputed over a KV
+        // hit) write no KV: slot -1.
+        let cached: Vec<usize> = (seqs.iter().zip(&starts))
+            .map(|(s, &start)| match self.state {
+                Some(_) => self.seqs[s].planned().saturating_sub(start),
+                None => 0,
+            })
+            .collect();
+        self.seen.recomputed_rows += cached.iter().filter(|&&n| n > 0).count() as u64;
         let mut plans = Vec::new();
         for g in self.groups() {
             let mut p = self.begin_plan(g);
-            for (&s, &q) in seqs.iter().zip(query_lens) {
+            for ((&s, &q), &start) in seqs.iter().zip(query_lens).zip(&starts) {
                 self.auto_commit(g, s);
-                let start = self.seqs[&s].tokens.len() - q as usize;
+                let n = cached[p.batch_size()];
                 self.release_behind(g, s, start);
+                let at = p.slot_mapping.len();
                 self.plan_row(g, s, q as usize, &mut p);
+                p.slot_mapping[at..at + n].fill(-1);
             }
             self.finish_plan(&mut p);
             plans.push(p);
         }
+        let rows: Vec<(SeqId, usize)> = (seqs.iter().zip(query_lens))
+            .map(|(&s, &q)| (s, self.seqs[&s].tokens.len() - q as usize))
+            .collect();
+        self.plan_states(&rows, &mut plans[0]);
         Ok(plans)
     }
 
@@ -975,6 +1620,9 @@ impl Model {
                 self.commit_to(g, s, n);
             }
         }
+        for &s in seqs {
+            self.commit_states(s);
+        }
         self.seen.commits += 1;
         Ok(())
     }
@@ -1002,6 +1650,18 @@ impl Model {
         if p.computed() != p.tokens.len() {
             return Err(vec![invalid()]);
         }
+        // The child's working slot, after every other check and the parent's auto-commit.
+        if let Some(state) = &self.state {
+            let available = state.available(None);
+            if available < 1 {
+                self.seen.out_of_state_slots += 1;
+                return Err(vec![Error::OutOfStateSlots {
+                    needed: 1,
+                    available,
+                }]);
+            }
+        }
+        let p = &self.seqs[&parent];
         let copy = ModelSeq {
             tokens: p.tokens.clone(),
             salt: p.salt.clone(),
@@ -1027,6 +1687,9 @@ impl Model {
             }
         }
         self.seqs.insert(child, copy);
+        if let Some(state) = &mut self.state {
+            self.seen.chained_forks += u64::from(state.fork(parent, child));
+        }
         self.seen.forks += 1;
         Ok(())
     }
@@ -1060,6 +1723,9 @@ impl Model {
             for c in &mut self.counters {
                 c.external_failures += count as u64;
             }
+        }
+        if let Some(state) = &mut self.state {
+            self.seen.draining += u64::from(state.free(seq));
         }
         Ok(())
     }
@@ -1114,6 +1780,17 @@ impl Model {
         }
     }
 
+    /// The state group's refusal of a swap, after the KV groups' checks.
+    fn state_swap_error(&mut self, seqs: &[SeqId], to_gpu: bool) -> Expect<()> {
+        let Some(e) = (self.state.as_ref()).and_then(|st| st.swap_error(seqs, to_gpu)) else {
+            return Ok(());
+        };
+        if matches!(e, Error::OutOfStateSlots { .. }) {
+            self.seen.out_of_state_slots += 1;
+        }
+        Err(vec![e])
+    }
+
     fn swap_out(&mut self, seqs: &[SeqId]) -> Expect<Vec<Vec<[BlockId; 2]>>> {
         let mut errs = self.side_errors(seqs, false);
         for &s in seqs {
@@ -1138,6 +1815,7 @@ impl Model {
                 self.auto_commit(g, s);
             }
         }
+        self.state_swap_error(seqs, false)?;
         let needed: usize = self
             .groups()
             .map(|g| self.distinct_blocks(g, seqs).len())
@@ -1156,6 +1834,12 @@ impl Model {
             }
             self.move_tables(g, seqs, &pairs, false);
             all.push(pairs);
+        }
+        if self.state.is_some() {
+            for &s in seqs {
+                self.commit_states(s);
+            }
+            all.extend(self.state.as_mut().map(|state| state.swap_out(seqs)));
         }
         Ok(all)
     }
@@ -1185,6 +1869,10 @@ impl Model {
                     self.announce_cpu(s);
                 }
             }
+        }
+        if let Some(state) = &mut self.state {
+            self.seen.draining += state.confirm_swap_out(seqs);
+            self.seen.state_swap_outs += 1;
         }
         self.seen.swap_outs += 1;
         Ok(())
@@ -1233,6 +1921,7 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        self.state_swap_error(seqs, true)?;
         let needed: usize = self
             .groups()
             .map(|g| self.distinct_blocks(g, seqs).len())
@@ -1251,6 +1940,10 @@ impl Model {
             }
             self.move_tables(g, seqs, &pairs, true);
             all.push(pairs);
+        }
+        if let Some(state) = &mut self.state {
+            all.push(state.swap_in(seqs));
+            self.seen.state_swap_ins += 1;
         }
         Ok(all)
     }
@@ -1280,6 +1973,9 @@ impl Model {
                 self.commit_to(g, s, computed);
             }
         }
+        if let Some(state) = &mut self.state {
+            state.confirm_swap_in(seqs);
+        }
         self.seen.swap_ins += 1;
         Ok(())
     }
@@ -1293,6 +1989,9 @@ impl Model {
         self.cpu_tier.clear();
         self.cpu_copies.clear();
         self.emit(ModelEvent::Cleared);
+        if let Some(state) = &mut self.state {
+            state.reset();
+        }
     }
 
     /// Group `g`'s stats: the pool's counts (shared by every group) and the group's counters.
@@ -1591,16 +2290,20 @@ fn count() -> impl Strategy<Value = Count> {
     ]
 }
 
-fn op() -> impl Strategy<Value = Op> {
+/// An operation; with a state group (`state`), the calls it refuses (loads, speculative
+/// steps, rollbacks) come less often, and forks and swaps more often.
+fn op(state: bool) -> impl Strategy<Value = Op> {
+    let (loads, speculative, fork) = if state { (1, 1, 4) } else { (2, 4, 2) };
+    let swaps = if state { 4 } else { 2 };
     let append_tokens = prop_oneof![
         15 => prop::collection::vec(token(), 1..=5),
         1 => Just(Vec::new()),
     ];
     prop_oneof![
         8 => (new_ref(), prompt()).prop_map(|(seq, prompt)| Op::Allocate { seq, prompt }),
-        2 => (new_ref(), prompt(), 0usize..6)
+        loads => (new_ref(), prompt(), 0usize..6)
             .prop_map(|(seq, prompt, loadable)| Op::AllocateLoading { seq, prompt, loadable }),
-        2 => (live_ref(), count()).prop_map(|(seq, loaded)| Op::ConfirmLoads { seq, loaded }),
+        loads => (live_ref(), count()).prop_map(|(seq, loaded)| Op::ConfirmLoads { seq, loaded }),
         2 => prompt().prop_map(|prompt| Op::CanAllocate { prompt }),
         4 => (live_ref(), append_tokens).prop_map(|(seq, tokens)| Op::Append { seq, tokens }),
         7 => (
@@ -1619,7 +2322,7 @@ fn op() -> impl Strategy<Value = Op> {
             }),
         6 => (batch(4), prop::collection::vec(count(), 5))
             .prop_map(|(batch, query_lens)| Op::Plan { batch, query_lens }),
-        4 => (
+        speculative => (
             batch(4),
             prop::collection::vec(count(), 4),
             prop::collection::vec(token(), 8),
@@ -1631,7 +2334,7 @@ fn op() -> impl Strategy<Value = Op> {
                 tokens,
                 extra_token,
             }),
-        4 => (batch(3), prop::collection::vec(count(), 3), any::<bool>())
+        speculative => (batch(3), prop::collection::vec(count(), 3), any::<bool>())
             .prop_map(|(batch, counts, persistent)| Op::Rollback { batch, counts, persistent }),
         3 => (
             batch(3),
@@ -1639,12 +2342,12 @@ fn op() -> impl Strategy<Value = Op> {
             prop::bool::weighted(0.05),
         )
             .prop_map(|(batch, upto, extra_count)| Op::Commit { batch, upto, extra_count }),
-        2 => (live_ref(), new_ref()).prop_map(|(parent, child)| Op::Fork { parent, child }),
+        fork => (live_ref(), new_ref()).prop_map(|(parent, child)| Op::Fork { parent, child }),
         5 => live_ref().prop_map(|seq| Op::Free { seq }),
-        2 => batch(2).prop_map(|batch| Op::SwapOut { batch }),
-        2 => batch(2).prop_map(|batch| Op::ConfirmSwapOut { batch }),
-        2 => batch(3).prop_map(|batch| Op::SwapIn { batch }),
-        2 => batch(2).prop_map(|batch| Op::ConfirmSwapIn { batch }),
+        swaps => batch(2).prop_map(|batch| Op::SwapOut { batch }),
+        swaps => batch(2).prop_map(|batch| Op::ConfirmSwapOut { batch }),
+        swaps => batch(3).prop_map(|batch| Op::SwapIn { batch }),
+        swaps => batch(2).prop_map(|batch| Op::ConfirmSwapIn { batch }),
         1 => Just(Op::ResetPrefixCache),
         2 => Just(Op::TakeEvents),
     ]
@@ -1680,15 +2383,22 @@ fn config(block_size: impl Strategy<Value = u32>) -> impl Strategy<Value = Confi
 enum Layout {
     /// A `BlockManager` with this attention.
     One(Attention),
-    /// A `HybridManager` with these groups.
-    Groups(Vec<Attention>),
+    /// A `HybridManager` with these groups and maybe a state group.
+    Groups(Vec<Attention>, Option<StateConfig>),
 }
 
 impl Layout {
     fn attention(&self) -> Vec<Attention> {
         match self {
             Layout::One(a) => vec![*a],
-            Layout::Groups(groups) => groups.clone(),
+            Layout::Groups(groups, _) => groups.clone(),
+        }
+    }
+
+    fn state(&self) -> Option<StateConfig> {
+        match self {
+            Layout::One(_) => None,
+            Layout::Groups(_, state) => state.clone(),
         }
     }
 }
@@ -1700,7 +2410,9 @@ enum Kind {
     Full,
     /// A `BlockManager` with a sliding window or chunked-local attention.
     Windowed,
-    /// A `HybridManager`: a full-attention group 0, then one or two windowed groups.
+    /// A `HybridManager`: a full-attention group 0, then one or two windowed groups; half
+    /// of them with a state group, which half the time has one or two full-attention groups
+    /// alone instead.
     Hybrid,
 }
 
@@ -1714,6 +2426,31 @@ fn window(bs: u32) -> impl Strategy<Value = Attention> {
     ]
 }
 
+/// A state group of 1 to 16 slots (often fewer than the sequences the operations name, so
+/// they run out), any budget, checkpoints at prompt ends only or every one to three blocks, a
+/// cap of 0 to 2 checkpoints per sequence and 0 to 4 CPU slots.
+fn state_config(bs: u32) -> impl Strategy<Value = StateConfig> {
+    prop_oneof![1u32..=4, 5u32..=8, 9u32..=16]
+        .prop_flat_map(move |num_slots| {
+            (
+                Just(num_slots),
+                0..num_slots,
+                prop_oneof![2 => Just(0u32), 2 => Just(bs), 1 => (2u32..=3).prop_map(move |n| n * bs)],
+                prop_oneof![1 => Just(0u32), 3 => 1u32..=2],
+                prop_oneof![1 => Just(0u32), 4 => 1u32..=4],
+            )
+        })
+        .prop_map(
+            |(num_slots, max_checkpoints, interval, per_sequence, num_cpu_slots)| StateConfig {
+                num_slots,
+                max_checkpoints,
+                checkpoint_interval: interval,
+                checkpoints_per_sequence: per_sequence,
+                num_cpu_slots,
+            },
+        )
+}
+
 /// A configuration and a layout of `kind`; a hybrid pool has the blocks of one pool per group.
 fn setup(
     block_size: impl Strategy<Value = u32>,
@@ -1725,11 +2462,20 @@ fn setup(
             let layout = match kind {
                 Kind::Full => Just(Layout::One(Attention::Full)).boxed(),
                 Kind::Windowed => window(bs).prop_map(Layout::One).boxed(),
-                Kind::Hybrid => (window(bs), prop::option::weighted(0.4, window(bs)))
-                    .prop_map(|(a, b)| {
-                        let mut groups = vec![Attention::Full, a];
-                        groups.extend(b);
-                        Layout::Groups(groups)
+                // With a state group, also full-attention KV groups alone (the state recomputed
+                // over KV hits).
+                Kind::Hybrid => (
+                    window(bs),
+                    prop::option::weighted(0.4, window(bs)),
+                    prop::option::of(state_config(bs)),
+                    prop_oneof![2 => Just(0usize), 1 => Just(1), 1 => Just(2)],
+                )
+                    .prop_map(|(a, b, state, full)| {
+                        let groups = match (&state, full) {
+                            (Some(_), 1..) => vec![Attention::Full; full],
+                            _ => [Attention::Full, a].into_iter().chain(b).collect(),
+                        };
+                        Layout::Groups(groups, state)
                     })
                     .boxed(),
             };
@@ -1738,7 +2484,7 @@ fn setup(
         .prop_map(|(mut c, layout)| {
             match &layout {
                 Layout::One(a) => c.attention = *a,
-                Layout::Groups(groups) => c.num_blocks *= groups.len() as u32,
+                Layout::Groups(groups, _) => c.num_blocks *= groups.len() as u32,
             }
             (c, layout)
         })
@@ -1895,6 +2641,11 @@ struct Harness {
     mirrors: Vec<Vec<i32>>,
     /// How many tokens each generated prompt or appended token stands for.
     stretch: usize,
+    /// The engine's state tensors, modelled: the tokens each slot's state is after (`None`:
+    /// never written).
+    engine: Vec<Option<Vec<Token>>>,
+    /// The engine's CPU state slots, likewise.
+    cpu_engine: Vec<Option<Vec<Token>>>,
 }
 
 /// Whether a real error is one the model allows (InvalidArgument messages are free text).
@@ -1933,6 +2684,10 @@ fn same_plan(real: &Plan, model: &Plan) -> Result<(), TestCaseError> {
     prop_assert_eq!(real.block_tables(), model.block_tables(), "block_tables");
     prop_assert_eq!(&real.copies, &model.copies, "copies");
     prop_assert_eq!(real.num_copies(), model.copies.len() / 2, "num_copies");
+    prop_assert_eq!(&real.state_slots, &model.state_slots, "state_slots");
+    prop_assert_eq!(&real.state_copies, &model.state_copies, "state_copies");
+    prop_assert_eq!(&real.state_resets, &model.state_resets, "state_resets");
+    prop_assert_eq!(&real.state_saves, &model.state_saves, "state_saves");
     prop_assert_eq!(
         real.batch_size(),
         model.kv_last_page_len.len(),
@@ -1961,14 +2716,16 @@ fn progress(m: Option<&ModelSeq>) -> (usize, usize, usize, usize) {
 impl Harness {
     fn new(cfg: Config, layout: &Layout) -> Harness {
         let attention = layout.attention();
-        let model = Model::new(&cfg, &attention);
+        let model = Model::new(&cfg, &attention, layout.state());
         let stretch = (cfg.block_size as usize / 4).max(1);
         let real = match layout {
             Layout::One(_) => Real::One(Box::new(BlockManager::new(cfg).expect("valid config"))),
-            Layout::Groups(groups) => {
-                Real::Groups(HybridManager::new(cfg, groups).expect("valid config"))
-            }
+            Layout::Groups(groups, state) => Real::Groups(
+                HybridManager::with_state(cfg, groups, state.clone()).expect("valid config"),
+            ),
         };
+        let engine = vec![None; layout.state().map_or(0, |s| s.num_slots as usize)];
+        let cpu_engine = vec![None; layout.state().map_or(0, |s| s.num_cpu_slots as usize)];
         let groups = attention.len();
         Harness {
             real,
@@ -1979,6 +2736,8 @@ impl Harness {
             batches: (0..groups).map(|_| PersistentBatch::new()).collect(),
             mirrors: vec![Vec::new(); groups],
             stretch,
+            engine,
+            cpu_engine,
         }
     }
 
@@ -2070,14 +2829,15 @@ impl Harness {
             Op::CanAllocate { prompt } => {
                 let tokens = prompt.tokens(self.stretch);
                 if !tokens.is_empty() {
-                    if let Real::One(m) = &self.real {
-                        let real = m.can_allocate(&tokens, prompt.salt());
-                        prop_assert_eq!(real, self.model.can_allocate(&tokens, prompt.salt()));
-                    }
+                    prop_assert_eq!(
+                        either!(&self.real, m => m.can_allocate(&tokens, prompt.salt())),
+                        self.model.can_allocate(&tokens, prompt.salt()),
+                        "can_allocate"
+                    );
                     let salt = prompt.salt().map(<[u8]>::to_vec);
                     prop_assert_eq!(
                         either!(&self.real, m => m.cached_prefix_blocks(&tokens, prompt.salt())),
-                        self.model.lookup(&tokens, &salt).0,
+                        self.model.hit(&tokens, &salt),
                         "cached_prefix_blocks"
                     );
                 }
@@ -2112,12 +2872,15 @@ impl Harness {
                     tokens.push(0);
                 }
                 let model = self.model.step(&seqs, &tokens);
-                if persistent {
+                let plan = if persistent {
                     let real = self.real.step_batch(&mut self.batches, &tokens);
-                    self.same_batch_step(real, model)?;
+                    self.same_batch_step(real, model)?
                 } else {
                     let real = self.real.step(&seqs, &tokens, &mut self.plans);
-                    self.same_planned(real, model)?;
+                    self.same_planned(real, model)?
+                };
+                if let Some(plan) = plan {
+                    self.run_engine(&plan, &seqs)?;
                 }
             }
             Op::Plan { batch, query_lens } => {
@@ -2125,18 +2888,24 @@ impl Harness {
                 if seqs.is_empty() {
                     return Ok(());
                 }
+                // With a state group the natural query starts at the state point.
                 let qs: Vec<u32> = seqs
                     .iter()
                     .zip(query_lens.iter().cycle())
                     .map(|(s, q)| {
                         let (planned, _, len, _) = progress(self.model.seqs.get(s));
                         let lo = (len - planned).max(1);
-                        q.resolve(lo, len, lo) as u32
+                        let resume = (self.model.state.as_ref())
+                            .and_then(|state| state.seqs.get(s))
+                            .map_or(planned, |x| x.resume);
+                        q.resolve(lo, len, (len - resume.min(len)).max(1)) as u32
                     })
                     .collect();
                 let real = self.real.plan(&seqs, &qs, &mut self.plans);
                 let model = self.model.plan(&seqs, &qs);
-                self.same_planned(real, model)?;
+                if let Some(plan) = self.same_planned(real, model)? {
+                    self.run_engine(&plan, &seqs)?;
+                }
             }
             Op::Verify {
                 batch,
@@ -2158,7 +2927,10 @@ impl Harness {
                 if *extra_token {
                     tokens.push(0);
                 }
-                let model = self.model.verify(&seqs, &tokens, &counts);
+                let model = match self.model.no_state() {
+                    Ok(()) => self.model.verify(&seqs, &tokens, &counts),
+                    Err(refused) => Err(refused),
+                };
                 let verified = model.is_ok() && counts.iter().any(|&c| c > 1);
                 let real = self.real.verify_batch(&mut self.batches, &tokens, &counts);
                 self.same_batch_step(real, model)?;
@@ -2236,7 +3008,12 @@ impl Harness {
             Op::SwapOut { batch } => {
                 let seqs = self.resolve_batch(batch, Want::Resident);
                 if !seqs.is_empty() {
-                    same(self.real.swap_out(&seqs), self.model.swap_out(&seqs))?;
+                    let model = self.model.swap_out(&seqs);
+                    let pairs = model.clone().ok();
+                    same(self.real.swap_out(&seqs), model)?;
+                    if let Some(pairs) = pairs {
+                        self.swap_engine(&pairs, false);
+                    }
                 }
             }
             Op::ConfirmSwapOut { batch } => {
@@ -2251,7 +3028,12 @@ impl Harness {
             Op::SwapIn { batch } => {
                 let seqs = self.resolve_batch(batch, Want::SwappedOut);
                 if !seqs.is_empty() {
-                    same(self.real.swap_in(&seqs), self.model.swap_in(&seqs))?;
+                    let model = self.model.swap_in(&seqs);
+                    let pairs = model.clone().ok();
+                    same(self.real.swap_in(&seqs), model)?;
+                    if let Some(pairs) = pairs {
+                        self.swap_engine(&pairs, true);
+                    }
                 }
             }
             Op::ConfirmSwapIn { batch } => {
@@ -2295,20 +3077,21 @@ impl Harness {
     /// Checks a `step_batch` against the model's `step` of the rows in order, group by group:
     /// the inputs, the table (each row its sequence's blocks, padded with -1) and the table as
     /// rebuilt from the update logs alone.
+    /// Returns the model's plan of group 0 (with the state inputs) if the step succeeded.
     fn same_batch_step(
         &mut self,
         real: Result<(), Error>,
         model: Expect<Vec<Plan>>,
-    ) -> Result<(), TestCaseError> {
-        let plans = match (real, model) {
+    ) -> Result<Option<Plan>, TestCaseError> {
+        let mut plans = match (real, model) {
             (Ok(()), Ok(m)) => m,
             (Err(r), Err(m)) => {
                 prop_assert!(allowed(&r, &m), "error {:?}, model allows {:?}", r, m);
-                return Ok(());
+                return Ok(None);
             }
             (r, m) => {
                 prop_assert!(false, "real {:?}, model {:?}", r, m.map(|_| "plan"));
-                return Ok(());
+                return Ok(None);
             }
         };
         self.model.seen.batch_steps += 1;
@@ -2348,32 +3131,91 @@ impl Harness {
             );
             batch.clear_updates();
         }
-        Ok(())
+        Ok(Some(plans.swap_remove(0)))
     }
 
+    /// Returns the model's plan of group 0 (with the state inputs) if the call succeeded.
     fn same_planned(
         &self,
         real: Result<(), Error>,
         model: Expect<Vec<Plan>>,
-    ) -> Result<(), TestCaseError> {
+    ) -> Result<Option<Plan>, TestCaseError> {
         match (real, model) {
-            (Ok(()), Ok(m)) => {
+            (Ok(()), Ok(mut m)) => {
                 prop_assert_eq!(m.len(), self.plans.len());
                 for (real, m) in self.plans.iter().zip(&m) {
                     same_plan(real, m)?;
                 }
-                Ok(())
+                Ok(Some(m.swap_remove(0)))
             }
             (Err(r), Err(m)) => {
                 prop_assert!(allowed(&r, &m), "error {:?}, model allows {:?}", r, m);
                 for plan in &self.plans {
                     prop_assert_eq!(plan.batch_size(), 0, "a failed plan is left empty");
+                    prop_assert!(
+                        plan.state_slots.is_empty()
+                            && plan.state_copies.is_empty()
+                            && plan.state_resets.is_empty()
+                            && plan.state_saves.is_empty(),
+                        "a failed plan has no state inputs"
+                    );
                 }
-                Ok(())
+                Ok(None)
             }
             (r, m) => {
                 prop_assert!(false, "real {:?}, model {:?}", r, m.map(|_| "plan"));
-                Ok(())
+                Ok(None)
+            }
+        }
+    }
+
+    /// Runs a state group's plan on the modelled state tensors: the copies, the resets, then
+    /// each row's pass, which must start from the state after exactly the tokens before its
+    /// query, and saves where the plan says.
+    fn run_engine(&mut self, plan: &Plan, seqs: &[SeqId]) -> Result<(), TestCaseError> {
+        if self.engine.is_empty() {
+            return Ok(());
+        }
+        for pair in plan.state_copies.chunks(2) {
+            self.engine[pair[1] as usize] = self.engine[pair[0] as usize].clone();
+        }
+        for &slot in &plan.state_resets {
+            self.engine[slot as usize] = Some(Vec::new());
+        }
+        for (row, &seq) in seqs.iter().enumerate() {
+            let tokens = &self.model.seqs[&seq].tokens;
+            let working = plan.state_slots[row] as usize;
+            let q = (plan.qo_indptr[row + 1] - plan.qo_indptr[row]) as usize;
+            let (start, end) = (tokens.len() - q, tokens.len());
+            prop_assert_eq!(
+                self.engine[working].as_deref(),
+                Some(&tokens[..start]),
+                "sequence {}'s state before its pass",
+                seq
+            );
+            self.model.seen.exact_rows += 1;
+            for save in plan.state_saves.chunks(3).filter(|s| s[0] as usize == row) {
+                let after = save[1] as usize;
+                prop_assert!((1..=q).contains(&after), "a save within the query");
+                self.engine[save[2] as usize] = Some(tokens[..start + after].to_vec());
+            }
+            self.engine[working] = Some(tokens[..end].to_vec());
+        }
+        Ok(())
+    }
+
+    /// Copies the state pairs a successful swap returned last (`[working, cpu]` out,
+    /// `[cpu, working]` in) on the modelled state tensors.
+    fn swap_engine(&mut self, pairs: &[Vec<[BlockId; 2]>], to_gpu: bool) {
+        if self.engine.is_empty() {
+            return;
+        }
+        for &[src, dst] in pairs.last().expect("the state pairs") {
+            let (src, dst) = (src as usize, dst as usize);
+            if to_gpu {
+                self.engine[dst] = self.cpu_engine[src].clone();
+            } else {
+                self.cpu_engine[dst] = self.engine[src].clone();
             }
         }
     }
@@ -2576,6 +3418,29 @@ impl Harness {
                 m.token_usage
             );
         }
+        if let Real::Groups(hybrid) = real {
+            match &model.state {
+                Some(state) => {
+                    prop_assert!(hybrid.has_state());
+                    let ids = (0..=NUM_IDS).chain(model.seqs.keys().copied());
+                    for s in ids {
+                        let working = state.seqs.get(&s).and_then(StateSeq::gpu);
+                        prop_assert_eq!(
+                            hybrid.state_slot(s),
+                            working.ok_or(Error::UnknownSequence(s)),
+                            "state_slot({})",
+                            s
+                        );
+                    }
+                    prop_assert_eq!(hybrid.state_stats(), Ok(state.stats()), "state_stats");
+                }
+                None => {
+                    prop_assert!(!hybrid.has_state());
+                    let no_stats = hybrid.state_stats();
+                    prop_assert!(matches!(no_stats, Err(Error::InvalidArgument(_))));
+                }
+            }
+        }
         let bs = model.bs;
         for (group, salt, prefix) in model.prefix.keys() {
             let parent = (*group, salt.clone(), prefix[..prefix.len() - bs].to_vec());
@@ -2605,19 +3470,44 @@ impl Harness {
             prop_assert_eq!((st.num_held, st.stored_tokens), (0, 0));
             prop_assert_eq!((st.computed_tokens, st.pending_tokens), (0, 0));
         }
+        if let Some(state) = &self.model.state {
+            let st = state.stats();
+            prop_assert_eq!((st.num_working, st.num_saving), (0, 0));
+            prop_assert_eq!(
+                st.num_free + st.num_checkpoints,
+                st.num_slots,
+                "no slot drains"
+            );
+        }
         let groups = self.model.attention.len();
         let takers: Vec<SeqId> = (NUM_IDS + 1..)
             .take(self.model.num_blocks / groups)
             .collect();
+        // With a state group the takers also take every slot (the free stack, then the LRU
+        // whole); past them, a block per group goes to an append to the last taker.
+        let mut admitted: Vec<SeqId> = Vec::new();
         for &seq in &takers {
             let real = either!(&self.real, m => m.allocate(seq, &[0], None));
-            same(
-                real,
-                self.model.admit(seq, &[0], None, None).map(|(r, _)| r),
-            )?;
+            let model = self.model.admit(seq, &[0], None, None).map(|(r, _)| r);
+            let taker = match (&model, admitted.last()) {
+                (Ok(_), _) => seq,
+                (Err(_), Some(&last)) => last,
+                (Err(_), None) => return Err(TestCaseError::fail("no taker was admitted")),
+            };
+            if model.is_ok() {
+                admitted.push(seq);
+            }
+            same(real, model)?;
+            if taker != seq {
+                let tokens = vec![0; self.model.bs];
+                same(
+                    either!(&self.real, m => m.append(taker, &tokens)),
+                    self.model.append(taker, &tokens),
+                )?;
+            }
             for g in 0..groups {
-                let table = self.real.block_table(seq, g);
-                prop_assert_eq!(table, Ok(self.model.seqs[&seq].groups[g].table.clone()));
+                let table = self.real.block_table(taker, g);
+                prop_assert_eq!(table, Ok(self.model.seqs[&taker].groups[g].table.clone()));
             }
         }
         self.compare_state()?;
@@ -2661,6 +3551,26 @@ struct Summary {
     wide_window_cases: AtomicU64,
     chunk_cases: AtomicU64,
     chunk_and_window_cases: AtomicU64,
+    /// Cases with a state group (and those with full-attention KV groups alone), and what its
+    /// slots went through.
+    state_cases: AtomicU64,
+    full_state_cases: AtomicU64,
+    state_hit_tokens: AtomicU64,
+    state_saved: AtomicU64,
+    state_skipped: AtomicU64,
+    state_evictions: AtomicU64,
+    state_dropped: AtomicU64,
+    out_of_state_slots: AtomicU64,
+    state_refusals: AtomicU64,
+    branch_points: AtomicU64,
+    chained_forks: AtomicU64,
+    draining: AtomicU64,
+    exact_rows: AtomicU64,
+    recomputed_hits: AtomicU64,
+    recomputed_rows: AtomicU64,
+    resume_refusals: AtomicU64,
+    state_swap_outs: AtomicU64,
+    state_swap_ins: AtomicU64,
 }
 
 impl Summary {
@@ -2674,6 +3584,11 @@ impl Summary {
         let wide = has(&|a| matches!(a, Attention::SlidingWindow(w) if *w > bs));
         let chunk = has(&|a| matches!(a, Attention::ChunkedLocal(_)));
         let sliding = narrow.max(wide);
+        let state = model
+            .state
+            .as_ref()
+            .map(StateModel::stats)
+            .unwrap_or_default();
         for (counter, n) in [
             (&self.cases, 1),
             (&self.manual_commit_cases, u64::from(!model.auto_commit)),
@@ -2702,6 +3617,27 @@ impl Summary {
             (&self.wide_window_cases, wide),
             (&self.chunk_cases, chunk),
             (&self.chunk_and_window_cases, chunk * sliding),
+            (&self.state_cases, u64::from(model.state.is_some())),
+            (
+                &self.full_state_cases,
+                u64::from(model.state.is_some() && has(&|a| *a != Attention::Full) == 0),
+            ),
+            (&self.state_hit_tokens, state.prefix_hit_tokens),
+            (&self.state_saved, state.saved),
+            (&self.state_skipped, state.skipped),
+            (&self.state_evictions, state.evictions),
+            (&self.state_dropped, state.dropped),
+            (&self.out_of_state_slots, seen.out_of_state_slots),
+            (&self.state_refusals, seen.state_refusals),
+            (&self.branch_points, seen.branch_points),
+            (&self.chained_forks, seen.chained_forks),
+            (&self.draining, seen.draining),
+            (&self.exact_rows, seen.exact_rows),
+            (&self.recomputed_hits, seen.recomputed_hits),
+            (&self.recomputed_rows, seen.recomputed_rows),
+            (&self.resume_refusals, seen.resume_refusals),
+            (&self.state_swap_outs, seen.state_swap_outs),
+            (&self.state_swap_ins, seen.state_swap_ins),
         ] {
             counter.fetch_add(n, Ordering::Relaxed);
         }
@@ -2725,10 +3661,10 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>, kind: Kind) {
         ..ProptestConfig::default()
     });
     let summary = Summary::default();
-    let strategy = (
-        setup(block_size, kind),
-        prop::collection::vec(op(), 1..=240),
-    );
+    let strategy = setup(block_size, kind).prop_flat_map(|(cfg, layout)| {
+        let ops = prop::collection::vec(op(layout.state().is_some()), 1..=240);
+        (Just((cfg, layout)), ops)
+    });
     let result = runner.run(&strategy, |((cfg, layout), ops)| {
         let mut h = Harness::new(cfg, &layout);
         for op in &ops {
@@ -2809,6 +3745,47 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>, kind: Kind) {
             "chunked and sliding-window groups together",
             &summary.chunk_and_window_cases,
         ));
+        scenarios.extend([
+            ("state groups", &summary.state_cases),
+            ("hits resumed from checkpoints", &summary.state_hit_tokens),
+            ("checkpoints saved", &summary.state_saved),
+            ("checkpoint saves skipped", &summary.state_skipped),
+            ("checkpoints evicted", &summary.state_evictions),
+            ("checkpoints dropped by the cap", &summary.state_dropped),
+            ("OutOfStateSlots", &summary.out_of_state_slots),
+            ("calls refused with a state group", &summary.state_refusals),
+            ("branch points", &summary.branch_points),
+            (
+                "forks of a parent with a queued copy",
+                &summary.chained_forks,
+            ),
+            ("draining working slots", &summary.draining),
+            ("passes checked on the engine's states", &summary.exact_rows),
+            (
+                "state groups with full-attention KV groups alone",
+                &summary.full_state_cases,
+            ),
+            (
+                "KV hits past the state's checkpoint",
+                &summary.recomputed_hits,
+            ),
+            (
+                "rows recomputing the state over cached KV (slot -1)",
+                &summary.recomputed_rows,
+            ),
+            (
+                "passes refused for not starting at the state point",
+                &summary.resume_refusals,
+            ),
+            ("confirmed swap-outs of states", &summary.state_swap_outs),
+            ("swap-ins of states", &summary.state_swap_ins),
+        ]);
+    } else {
+        assert_eq!(
+            get(&summary.state_cases),
+            0,
+            "only hybrid cases have states"
+        );
     }
     for (what, counter) in scenarios {
         assert!(get(counter) > 0, "the run never exercised {what}");
@@ -2837,7 +3814,8 @@ fn windowed_manager_matches_model() {
     run_model(cases(), 1u32..=4, Kind::Windowed);
 }
 
-/// A full-attention group with one or two windowed groups over one pool.
+/// A full-attention group with one or two windowed groups over one pool, or full-attention
+/// groups alone beside a state group.
 #[test]
 fn hybrid_manager_matches_model() {
     run_model(cases(), 1u32..=4, Kind::Hybrid);

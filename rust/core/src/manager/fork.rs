@@ -2,7 +2,7 @@
 
 use crate::error::invalid;
 use crate::manager::{not_loading, BlockManager};
-use crate::sequence::Sequence;
+use crate::sequence::{LockedBatch, Sequence};
 use crate::stats::Counters;
 use crate::{Error, SeqId};
 
@@ -12,6 +12,43 @@ impl BlockManager {
     /// pending tokens.
     pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<(), Error> {
         let mut batch = self.seqs.lock(&[parent, child]);
+        self.check_fork_locked(&mut batch, parent, child)?;
+        let p = batch.get(parent).expect("checked above");
+        p.shared_tail = true;
+        let mut copy = Sequence::new(
+            p.tokens.clone(),
+            p.table.clone(),
+            p.keys.clone(),
+            p.hashes.clone(),
+            p.root,
+            p.computed,
+            p.registered,
+        );
+        copy.shared_tail = true;
+        copy.first = p.first;
+        copy.prompt_len = p.prompt_len;
+        copy.extra = p.extra.clone();
+        for &block in &copy.table {
+            self.gpu.share_held(block);
+        }
+        Counters::add(&self.counters.computed_tokens, copy.computed as u64);
+        batch.insert(child, copy);
+        Ok(())
+    }
+
+    /// Every check of [`BlockManager::fork`], after the parent's auto-commit, forking
+    /// nothing: a hybrid manager runs it before it takes the child's state slot.
+    pub(crate) fn check_fork(&self, parent: SeqId, child: SeqId) -> Result<(), Error> {
+        let mut batch = self.seqs.lock(&[parent, child]);
+        self.check_fork_locked(&mut batch, parent, child)
+    }
+
+    fn check_fork_locked(
+        &self,
+        batch: &mut LockedBatch<'_>,
+        parent: SeqId,
+        child: SeqId,
+    ) -> Result<(), Error> {
         let p = batch.get(parent).ok_or(Error::UnknownSequence(parent))?;
         if p.swapped {
             return Err(Error::SwappedOut(parent));
@@ -35,25 +72,6 @@ impl BlockManager {
                 p.tokens.len()
             )));
         }
-        p.shared_tail = true;
-        let mut copy = Sequence::new(
-            p.tokens.clone(),
-            p.table.clone(),
-            p.keys.clone(),
-            p.hashes.clone(),
-            p.root,
-            p.computed,
-            p.registered,
-        );
-        copy.shared_tail = true;
-        copy.first = p.first;
-        copy.prompt_len = p.prompt_len;
-        copy.extra = p.extra.clone();
-        for &block in &copy.table {
-            self.gpu.share_held(block);
-        }
-        Counters::add(&self.counters.computed_tokens, copy.computed as u64);
-        batch.insert(child, copy);
         Ok(())
     }
 }

@@ -292,8 +292,8 @@ impl HybridManager {
         tokens: &[Token],
         counts: &[u32],
     ) -> Result<(), Error> {
-        self.same_rows(batches)?;
         self.no_state("verify_batch")?;
+        self.same_rows(batches)?;
         self.decode(batches, tokens, Some(counts))
     }
 
@@ -433,8 +433,8 @@ impl HybridManager {
 
     /// [`HybridManager::rollback`] of every row of each group's persistent batch.
     pub fn rollback_batch(&self, batches: &mut [Batch], counts: &[usize]) -> Result<(), Error> {
-        self.same_rows(batches)?;
         self.no_state("rollback_batch")?;
+        self.same_rows(batches)?;
         let _held = lock(&self.lock);
         let seqs = batches[0].seqs().to_vec();
         for g in &self.groups {
@@ -450,6 +450,8 @@ impl HybridManager {
     pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<(), Error> {
         let mut held = lock(&self.lock);
         if let Some(state) = held.as_ref() {
+            // Every check, and the parent's auto-commit, before the slot's.
+            self.each(|g| g.check_fork(parent, child))?;
             state.check_available(1, None)?;
         }
         self.each(|g| g.fork(parent, child))?;
@@ -596,7 +598,7 @@ impl HybridManager {
     /// How many leading full blocks of the prompt every group serves now (read-only).
     pub fn cached_prefix_blocks(&self, tokens: &[Token], salt: Option<&[u8]>) -> usize {
         let held = lock(&self.lock);
-        self.lookup(&held, tokens, salt).map_or(0, |(hit, _)| hit)
+        self.lookup(&held, tokens, salt).map_or(0, |(hit, ..)| hit)
     }
 
     /// Whether a prompt could be admitted now while keeping the watermark in reserve.
@@ -604,17 +606,19 @@ impl HybridManager {
         let held = lock(&self.lock);
         let g = &self.groups[0];
         self.lookup(&held, tokens, salt)
-            .is_some_and(|(_, needed)| g.gpu.available() >= needed + g.watermark_blocks)
+            .is_some_and(|(_, needed, slot)| {
+                slot && g.gpu.available() >= needed + g.watermark_blocks
+            })
     }
 
-    /// The prompt's hit in blocks and the blocks admitting it would take (none for a prompt
-    /// that cannot be admitted). Read-only.
+    /// The prompt's hit in blocks, the blocks admitting it would take and whether a state
+    /// slot could be taken for it (none for a prompt that cannot be admitted). Read-only.
     fn lookup(
         &self,
         held: &MutexGuard<'_, Option<Box<StateCache>>>,
         tokens: &[Token],
         salt: Option<&[u8]>,
-    ) -> Option<(usize, usize)> {
+    ) -> Option<(usize, usize, bool)> {
         let keys = HashKeys::salt(salt);
         let hittable = check_prompt(tokens, self.groups[0].bs, &keys).ok()?;
         let mut prompts: Vec<Admission> = (self.groups.iter())
@@ -622,16 +626,13 @@ impl HybridManager {
             .collect();
         let state = held.as_deref();
         let hits = self.hits(state, &mut prompts, tokens, hittable);
-        if let Some(state) = state {
-            state
-                .check_available(1, checkpoint_key(&prompts, hits.resume))
-                .ok()?;
-        }
         let hit = hits.resume;
+        let slot = state
+            .is_none_or(|state| (state.check_available(1, checkpoint_key(&prompts, hit))).is_ok());
         let needed = (self.groups.iter().zip(&prompts))
             .map(|(g, p)| g.admission_needs(tokens, p))
             .sum();
-        Some((hit, needed))
+        Some((hit, needed, slot))
     }
 
     /// A prompt's hits of at most `upto` blocks, with each group's hits found for `kv`. With
