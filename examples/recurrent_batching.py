@@ -15,8 +15,9 @@ hits, forks) and resets (new prompts).
 `generate(model, requests)` decodes greedily for many requests at once: arrivals between steps,
 prefills (in chunks if asked) mixed with decodes, prefix hits resumed from checkpoints, parallel
 samples forked after the prefill (the child's state arrives as a plan's state copy), and, when
-the KV pool or the state slots run out, preemption by recompute: the youngest sequence is freed
-and later admitted again with its generated tokens as prompt (mostly a prefix hit).
+the KV pool or the state slots run out, preemption: the youngest sequence is swapped out (its
+KV blocks and its state to CPU pools, `cpu_blocks=`) or freed and later admitted again with its
+generated tokens as prompt (mostly a prefix hit).
 
 Run it: ``python examples/recurrent_batching.py`` (a small random Qwen3-Next, no download;
 ``--checkpoint-interval 8`` also saves a checkpoint every 8 tokens of a prompt).
@@ -63,6 +64,7 @@ class GenerationResult:
     state_saves: int = 0
     split_rows: int = 0  # rows whose query a save cut in two
     preempted: int = 0
+    swapped_out: int = 0  # preemptions that moved the KV blocks and the state to the CPU
     mixed_steps: int = 0
     max_batch_size: int = 0
     state: StateStats | None = None
@@ -247,12 +249,24 @@ class _Engine:
         block_size: int,
         num_blocks: int,
         state: StateConfig,
+        cpu_blocks: int,
         prefill_chunk: int | None,
         backend: BackendName,
         device: torch.device,
     ) -> None:
-        self.mgr = HybridManager(num_blocks, block_size, [Attention.full()], state=state)
+        self.mgr = HybridManager(
+            num_blocks, block_size, [Attention.full()], num_cpu_blocks=cpu_blocks, state=state
+        )
         self.runner = paged_runner(model, num_blocks, block_size, state.num_slots, backend, device)
+        kv, states = self.runner.kv, self.runner.states
+        # Swap preemption: CPU copies of both caches (the state's with `num_cpu_slots` rows).
+        self.cpu_kv = KVCache(
+            kv.num_layers, max(1, cpu_blocks), block_size, kv.num_kv_heads, kv.head_dim, kv.dtype
+        )
+        self.cpu_states = StateCache(
+            states.num_layers, max(1, state.num_cpu_slots), states.shapes, states.dtypes
+        )
+        self.swapped: list[_Sequence] = []  # swapped out, brought back first, oldest first
         self.device = device
         self.block_size = block_size
         self.chunk = prefill_chunk
@@ -306,8 +320,40 @@ class _Engine:
             admitted.append(seq)
         return admitted
 
+    def _swap_in(self) -> None:
+        """Bring swapped-out sequences back, oldest first, while the pools hold them."""
+        while self.swapped:
+            seq = self.swapped[0]
+            if not self._has_room(self.mgr.num_tokens(seq.seq_id)):
+                return
+            try:
+                pairs = self.mgr.swap_in([seq.seq_id])  # each group's, then the state's
+            except OutOfBlocks:
+                return
+            self.runner.kv.swap_in(self.cpu_kv, pairs[0])
+            self.cpu_states.swap(self.runner.states, pairs[-1])
+            self.mgr.confirm_swap_in([seq.seq_id])
+            self.swapped.pop(0)
+            self.running.append(seq)
+
     def _preempt(self, seq: _Sequence) -> None:
-        """Free `seq`; it is admitted again later and recomputes what it had."""
+        """Swap `seq` out to the CPU pools; or, when they cannot take it (or its state is still
+        to be copied in by the next plan), free it: it is admitted again later and recomputes
+        what it had."""
+        pairs = None
+        if self.mgr.num_cpu_blocks:
+            try:
+                pairs = self.mgr.swap_out([seq.seq_id])
+            except (OutOfBlocks, ValueError):
+                pairs = None
+        if pairs is not None:
+            self.runner.kv.swap_out(self.cpu_kv, pairs[0])
+            self.runner.states.swap(self.cpu_states, pairs[-1])
+            self.mgr.confirm_swap_out([seq.seq_id])
+            self.running.remove(seq)
+            self.swapped.append(seq)
+            self.result.swapped_out += 1
+            return
         self.mgr.free(seq.seq_id)
         self.running.remove(seq)
         seq.context = seq.prompt + seq.generated
@@ -340,7 +386,8 @@ class _Engine:
                     raise
 
     def step(self, step: int) -> None:
-        """One engine step: grow the running sequences, admit, compute, sample."""
+        """One engine step: swap in, grow the running sequences, admit, compute, sample."""
+        self._swap_in()
         batch: list[_Sequence] = []
         q_lens: list[int] = []
         for seq in list(self.running):
@@ -355,7 +402,7 @@ class _Engine:
             q_lens.append(self.mgr.num_tokens(seq.seq_id) - seq.computed)
         if not batch:
             due = any(self.requests[r].arrival_step <= step for r in self.waiting)
-            if self.preempted or due:
+            if self.preempted or self.swapped or due:
                 raise RuntimeError("the pools cannot hold the next sequence")
             return
         # Planning commits each sequence's previous pass and hands out the copies (KV blocks
@@ -420,7 +467,7 @@ class _Engine:
 
     def run(self) -> GenerationResult:
         step = 0
-        while self.waiting or self.running or self.preempted:
+        while self.waiting or self.running or self.preempted or self.swapped:
             self.step(step)
             step += 1
         self.mgr.check()
@@ -439,6 +486,7 @@ def generate(
     max_checkpoints: int | None = None,
     checkpoint_interval: int = 0,
     checkpoints_per_sequence: int = 1,
+    cpu_blocks: int = 0,
     prefill_chunk: int | None = None,
     backend: BackendName = "auto",
     device: torch.device | str | None = None,
@@ -448,8 +496,10 @@ def generate(
     `num_slots` state slots hold the running sequences' states and up to `max_checkpoints`
     checkpoints (default: what the running sequences leave); `checkpoint_interval` (a
     multiple of `block_size`) also checkpoints every that many tokens, of which a sequence keeps
-    its last `checkpoints_per_sequence` (its prompt end counted). `prefill_chunk`
-    caps the prompt tokens a sequence brings to one step. `device` defaults to the model's.
+    its last `checkpoints_per_sequence` (its prompt end counted). With `cpu_blocks` > 0 a
+    preemption swaps the sequence's KV blocks and state to CPU pools of that many blocks and
+    `num_slots` slots (else, or when they are full, it recomputes). `prefill_chunk` caps the
+    prompt tokens a sequence brings to one step. `device` defaults to the model's.
     """
     for req in requests:
         if not req.prompt or req.max_new_tokens < 1 or req.num_samples < 1:
@@ -462,6 +512,7 @@ def generate(
         max_checkpoints=max_checkpoints,
         checkpoint_interval=checkpoint_interval,
         checkpoints_per_sequence=checkpoints_per_sequence,
+        num_cpu_slots=num_slots if cpu_blocks else 0,
     )
     engine = _Engine(
         model,
@@ -469,6 +520,7 @@ def generate(
         block_size=block_size,
         num_blocks=num_blocks,
         state=state,
+        cpu_blocks=cpu_blocks,
         prefill_chunk=prefill_chunk,
         backend=backend,
         device=dev,
@@ -513,6 +565,7 @@ def _main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--checkpoint-interval", metavar="N", type=int, default=0)
+    parser.add_argument("--cpu-blocks", metavar="N", type=int, default=0, help="swap pool")
     args = parser.parse_args()
     model = tiny_qwen3_next().to(args.device)
     shared = list(range(1, 40))
@@ -528,6 +581,7 @@ def _main() -> None:
         requests,
         block_size=16,
         checkpoint_interval=args.checkpoint_interval,
+        cpu_blocks=args.cpu_blocks,
         backend=args.backend,
     )
     for i, (req, samples) in enumerate(zip(requests, result.tokens, strict=True)):

@@ -132,6 +132,26 @@ def test_preemption_by_recompute_keeps_tokens_exact(
     assert result.preempted > 0
 
 
+@pytest.mark.parametrize(("num_blocks", "prefill_chunk"), [(14, None), (12, 5)])
+def test_swap_preemption_moves_states_and_keeps_tokens_exact(
+    model: torch.nn.Module, expected: list[list[int]], num_blocks: int, prefill_chunk: int | None
+) -> None:
+    # The same tight pools with CPU pools behind them: the youngest are swapped out, their KV
+    # blocks and states copied to the CPU and back.
+    result = rb.generate(
+        model,
+        requests(),
+        block_size=4,
+        num_blocks=num_blocks,
+        cpu_blocks=64,
+        prefill_chunk=prefill_chunk,
+        backend="torch",
+    )
+    check_tokens(result, expected)
+    assert result.swapped_out > 0
+    assert result.state is not None and result.state.num_cpu_free == result.state.num_cpu_slots
+
+
 def test_random_workload_on_another_model() -> None:
     # Prompts branching off two stems at random lengths, arriving over time, on a tight pool
     # with chunked prefill and interval checkpoints: every way a state is made, at once.
