@@ -196,8 +196,24 @@ pub(crate) struct StateRow {
     pub(crate) end: usize,
 }
 
+/// A sequence's record, holding `working`, with no saves or checkpoints yet.
+fn new_seq(working: SlotId, prompt_point: usize, branch: usize, resume: usize) -> SeqState {
+    SeqState {
+        working,
+        swap: None,
+        branch,
+        resume,
+        prompt_point,
+        saving: Vec::new(),
+        kept: VecDeque::new(),
+    }
+}
+
 /// Orders one row's `(row, tokens, slot)` saves by `tokens`.
 fn sort_saves(saves: &mut [i32]) {
+    if saves.len() <= 3 {
+        return;
+    }
     let mut triples: Vec<[i32; 3]> = saves.chunks_exact(3).map(|t| [t[0], t[1], t[2]]).collect();
     triples.sort_unstable_by_key(|t| t[1]);
     for (dst, t) in saves.chunks_exact_mut(3).zip(triples) {
@@ -316,26 +332,9 @@ impl StateCache {
             Some(src) => self.copies.push([src, working]),
             None => self.resets.push(working),
         }
-        let state = self.new_seq(working, prompt_len, branch, resume);
-        self.seqs.insert(seq, state);
-    }
-
-    fn new_seq(
-        &self,
-        working: SlotId,
-        prompt_len: usize,
-        branch: usize,
-        resume: usize,
-    ) -> SeqState {
-        SeqState {
-            working,
-            swap: None,
-            branch,
-            resume,
-            prompt_point: prompt_len / self.block_size * self.block_size,
-            saving: Vec::new(),
-            kept: VecDeque::new(),
-        }
+        let prompt_point = prompt_len / self.block_size * self.block_size;
+        self.seqs
+            .insert(seq, new_seq(working, prompt_point, branch, resume));
     }
 
     /// Sets the sequence's prompt end (its prompt grew before its first decode).
@@ -397,9 +396,8 @@ impl StateCache {
             }
             self.copies.push([source, working]);
         }
-        let mut state = self.new_seq(working, 0, branch, resume);
-        state.prompt_point = prompt_point;
-        self.seqs.insert(child, state);
+        self.seqs
+            .insert(child, new_seq(working, prompt_point, branch, resume));
     }
 
     /// Ends `seq`: its working slot and uncommitted saves are freed (its committed checkpoints

@@ -89,13 +89,13 @@ impl HybridManager {
     /// The state group's working slot of the sequence.
     pub fn state_slot(&self, seq: SeqId) -> Result<SlotId, Error> {
         let held = lock(&self.lock);
-        let state = held.as_ref().ok_or_else(no_state)?;
+        let state = held.as_ref().ok_or_else(missing_state)?;
         state.working(seq).ok_or(Error::UnknownSequence(seq))
     }
 
     /// The state group's slot counts and checkpoint counters.
     pub fn state_stats(&self) -> Result<StateStats, Error> {
-        Ok(lock(&self.lock).as_ref().ok_or_else(no_state)?.stats())
+        Ok(lock(&self.lock).as_ref().ok_or_else(missing_state)?.stats())
     }
 
     /// Number of groups.
@@ -803,7 +803,7 @@ impl HybridManager {
     }
 }
 
-fn no_state() -> Error {
+fn missing_state() -> Error {
     invalid("the manager has no state group")
 }
 
