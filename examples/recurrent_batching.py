@@ -17,10 +17,14 @@ prefills (in chunks if asked) mixed with decodes, prefix hits resumed from check
 samples forked after the prefill (the child's state arrives as a plan's state copy), and, when
 the KV pool or the state slots run out, preemption: the youngest sequence is swapped out (its
 KV blocks and its state to CPU pools, `cpu_blocks=`) or freed and later admitted again with its
-generated tokens as prompt (mostly a prefix hit).
+generated tokens as prompt (mostly a prefix hit). With `speculate=K`, decodes verify up to K
+drafts proposed by prompt lookup (what followed the sequence's last tokens earlier on): the pass
+plans them with `drafts=`, so the state group saves the state after each token before a draft,
+and `rollback` of the rejected drafts makes the last accepted token's state the working slot.
 
 Run it: ``python examples/recurrent_batching.py`` (a small random Qwen3-Next, no download;
-``--checkpoint-interval 8`` also saves a checkpoint every 8 tokens of a prompt).
+``--checkpoint-interval 8`` also saves a checkpoint every 8 tokens of a prompt, ``--speculate 3``
+verifies up to 3 drafts a step).
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class GenerationResult:
     swapped_out: int = 0  # preemptions that moved the KV blocks and the state to the CPU
     mixed_steps: int = 0
     max_batch_size: int = 0
+    proposed_drafts: int = 0
+    accepted_drafts: int = 0
+    unverified_drafts: int = 0  # dropped before their pass: no slots for their states
+    restored_states: int = 0  # rollbacks that made a draft state the working state
     state: StateStats | None = None
 
 
@@ -81,10 +89,22 @@ class _Sequence:
     computed: int = 0
     next_token: int | None = None
     generated: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # appended after `next_token` this step
 
     @property
     def prefilling(self) -> bool:
         return self.computed < len(self.context)
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3) -> list[int]:
+    """Up to `k` drafts: what followed the latest earlier occurrence of the last n tokens (the
+    longest n up to `max_ngram` that occurs)."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = list(tokens[-n:])
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if list(tokens[start : start + n]) == tail:
+                return list(tokens[start + n : start + n + k])
+    return []
 
 
 class PagedQwen3Next:
@@ -130,8 +150,8 @@ class PagedQwen3Next:
                     out[seg.start : seg.end] = self._delta_net(
                         layer.linear_attn, x[seg.start : seg.end], conv, recurrent
                     )
-                    if seg.save_to is not None:
-                        self.states.copy(index, seg.slot, seg.save_to)
+                    for save_to in seg.save_to:
+                        self.states.copy(index, seg.slot, save_to)
                 h = h + out
             mlp = layer.mlp(layer.post_attention_layernorm(h)[None])
             h = h + (mlp[0] if isinstance(mlp, tuple) else mlp)[0]
@@ -251,9 +271,11 @@ class _Engine:
         state: StateConfig,
         cpu_blocks: int,
         prefill_chunk: int | None,
+        speculate: int,
         backend: BackendName,
         device: torch.device,
     ) -> None:
+        self.speculate = speculate
         self.mgr = HybridManager(
             num_blocks, block_size, [Attention.full()], num_cpu_blocks=cpu_blocks, state=state
         )
@@ -370,7 +392,10 @@ class _Engine:
             new = seq.context[seq.computed : end]
         else:
             assert seq.next_token is not None
-            new = [seq.next_token]
+            left = seq.max_new_tokens - len(seq.generated) - 1
+            history = seq.prompt + seq.generated
+            seq.drafts = prompt_lookup(history, min(self.speculate, left)) if left > 0 else []
+            new = [seq.next_token, *seq.drafts]
         while True:
             try:
                 self.mgr.append(seq.seq_id, new)
@@ -405,9 +430,7 @@ class _Engine:
             if self.preempted or self.swapped or due:
                 raise RuntimeError("the pools cannot hold the next sequence")
             return
-        # Planning commits each sequence's previous pass and hands out the copies (KV blocks
-        # and state slots) and resets this pass applies first.
-        plan = self.mgr.plan([s.seq_id for s in batch], q_lens)[0]
+        plan = self._plan(batch, q_lens)
         self.result.state_copies += len(plan.state_copies)
         self.result.state_saves += len(plan.state_saves)
         self.result.split_rows += sum(t < q_lens[row] for row, t, _ in plan.state_saves.tolist())
@@ -417,16 +440,64 @@ class _Engine:
         for seq, q in zip(batch, q_lens, strict=True):
             tokens += self.mgr.token_ids(seq.seq_id)[-q:].tolist()
         input_ids = torch.tensor(tokens, device=self.device)
-        last_rows = torch.from_numpy(plan.qo_indptr[1:] - 1).to(self.device, torch.int64)
-        greedy: list[int] = self.runner.forward(input_ids, plan, last_rows).argmax(dim=-1).tolist()
+        # A prefill's last row; every row of a decode (its last sampled token, then its drafts).
+        rows: list[int] = []
+        for seq, q, end in zip(batch, q_lens, plan.qo_indptr[1:].tolist(), strict=True):
+            rows += range(end - q, end) if not seq.prefilling else [end - 1]
+        last_rows = torch.tensor(rows, device=self.device)
+        logits = self.runner.forward(input_ids, plan, last_rows)
+        greedy = iter(logits.argmax(dim=-1).tolist())
         self.result.steps += 1
         self.result.max_batch_size = max(self.result.max_batch_size, len(batch))
         if any(s.prefilling for s in batch) and any(not s.prefilling for s in batch):
             self.result.mixed_steps += 1
-        for seq, q, token in zip(batch, q_lens, greedy, strict=True):
-            seq.computed += q
-            if not seq.prefilling:
+        emits: list[tuple[_Sequence, list[int]]] = []
+        rejected: list[tuple[int, int]] = []
+        for seq, q in zip(batch, q_lens, strict=True):
+            if seq.prefilling:
+                seq.computed += q
+                token = next(greedy)
+                if not seq.prefilling:
+                    emits.append((seq, [token]))
+                continue
+            # The target's greedy token after the last sampled one and after each draft.
+            target = [next(greedy) for _ in range(q)]
+            accepted = 0
+            while accepted < len(seq.drafts) and seq.drafts[accepted] == target[accepted]:
+                accepted += 1
+            self.result.proposed_drafts += len(seq.drafts)
+            self.result.accepted_drafts += accepted
+            if accepted < len(seq.drafts):
+                rejected.append((seq.seq_id, len(seq.drafts) - accepted))
+            seq.computed += 1 + accepted
+            seq.drafts = []
+            emits.append((seq, target[: accepted + 1]))
+        if rejected:
+            # Back to the state after the last accepted token: a draft state of this pass.
+            self.mgr.rollback([i for i, _ in rejected], [n for _, n in rejected])
+            self.result.restored_states += len(rejected)
+        for seq, new in emits:
+            for token in new:
                 self._emit(seq, token)
+
+    def _plan(self, batch: list[_Sequence], q_lens: list[int]) -> Plan:
+        """Plans the pass (committing each sequence's previous one: the plan hands out the copies
+        of KV blocks and state slots and the resets this pass applies first), its drafts' states
+        kept for a rollback. Without slots for those states the drafts are dropped instead."""
+        ids = [s.seq_id for s in batch]
+        drafts = [len(s.drafts) for s in batch]
+        try:
+            return self.mgr.plan(ids, q_lens, drafts=drafts)[0]
+        except OutOfBlocks:
+            if not any(drafts):
+                raise
+        # Drafts are appended but not planned yet: rolling them back leaves the state alone.
+        self.mgr.rollback(ids, drafts)
+        for row, seq in enumerate(batch):
+            q_lens[row] -= len(seq.drafts)
+            self.result.unverified_drafts += len(seq.drafts)
+            seq.drafts = []
+        return self.mgr.plan(ids, q_lens)[0]
 
     def _emit(self, seq: _Sequence, token: int) -> None:
         req = self.requests[seq.request]
@@ -488,6 +559,7 @@ def generate(
     checkpoints_per_sequence: int = 1,
     cpu_blocks: int = 0,
     prefill_chunk: int | None = None,
+    speculate: int = 0,
     backend: BackendName = "auto",
     device: torch.device | str | None = None,
 ) -> GenerationResult:
@@ -499,7 +571,8 @@ def generate(
     its last `checkpoints_per_sequence` (its prompt end counted). With `cpu_blocks` > 0 a
     preemption swaps the sequence's KV blocks and state to CPU pools of that many blocks and
     `num_slots` slots (else, or when they are full, it recomputes). `prefill_chunk` caps the
-    prompt tokens a sequence brings to one step. `device` defaults to the model's.
+    prompt tokens a sequence brings to one step. `speculate` > 0 verifies up to that many prompt
+    lookup drafts per decode (their states take slots too). `device` defaults to the model's.
     """
     for req in requests:
         if not req.prompt or req.max_new_tokens < 1 or req.num_samples < 1:
@@ -522,6 +595,7 @@ def generate(
         state=state,
         cpu_blocks=cpu_blocks,
         prefill_chunk=prefill_chunk,
+        speculate=speculate,
         backend=backend,
         device=dev,
     )
@@ -566,6 +640,7 @@ def _main() -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--checkpoint-interval", metavar="N", type=int, default=0)
     parser.add_argument("--cpu-blocks", metavar="N", type=int, default=0, help="swap pool")
+    parser.add_argument("--speculate", metavar="K", type=int, default=0, help="drafts a step")
     args = parser.parse_args()
     model = tiny_qwen3_next().to(args.device)
     shared = list(range(1, 40))
@@ -582,6 +657,7 @@ def _main() -> None:
         block_size=16,
         checkpoint_interval=args.checkpoint_interval,
         cpu_blocks=args.cpu_blocks,
+        speculate=args.speculate,
         backend=args.backend,
     )
     for i, (req, samples) in enumerate(zip(requests, result.tokens, strict=True)):
@@ -598,7 +674,8 @@ def _main() -> None:
     print(
         f"steps={result.steps} prefix_hits={result.hits} state_copies={result.state_copies} "
         f"state_saves={result.state_saves} mixed_steps={result.mixed_steps} "
-        f"max_batch={result.max_batch_size}"
+        f"max_batch={result.max_batch_size} drafts={result.accepted_drafts}/"
+        f"{result.proposed_drafts} accepted"
     )
     print(f"state: {result.state}")
 

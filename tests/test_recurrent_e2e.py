@@ -4,7 +4,8 @@ A small, seeded, randomly initialised Qwen3-Next (Gated DeltaNet and gated atten
 download) runs its own weights through `HybridManager` (a full-attention KV group and a state
 group) + `KVCache` + `PagedAttention` + `StateCache` in `examples/recurrent_batching.py`; greedy
 tokens must equal `transformers`' greedy `generate` for every prompt and every parallel sample,
-whether a state came from a reset, a checkpoint, a fork's copy or a recompute.
+whether a state came from a reset, a checkpoint, a fork's copy, a recompute, a swap or a
+rollback of rejected drafts to a draft state.
 """
 
 from __future__ import annotations
@@ -141,6 +142,32 @@ def test_preemption_keeps_tokens_exact(
         return
     assert result.swapped_out > 0
     assert result.state is not None and result.state.num_cpu_free == result.state.num_cpu_slots
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_blocks": 96},
+        # Tight: preemptions by swapping, and slots too few for every draft state at times.
+        {"num_blocks": 14, "cpu_blocks": 64, "num_slots": 9, "checkpoint_interval": 4},
+        # Too few slots for some passes' draft states: those drafts are rolled back unplanned.
+        {"num_blocks": 96, "num_slots": 6},
+    ],
+)
+def test_speculative_decoding_restores_the_accepted_state(
+    model: torch.nn.Module, expected: list[list[int]], options: dict[str, int]
+) -> None:
+    # Prompt lookup drafts verified in one pass; a rollback of the rejected ones makes the state
+    # after the last accepted token (a draft state of that pass) the working state.
+    result = rb.generate(model, requests(), block_size=4, backend="torch", speculate=3, **options)
+    check_tokens(result, expected)
+    assert 0 < result.accepted_drafts < result.proposed_drafts
+    assert result.restored_states > 0
+    assert result.state is not None and result.state.num_drafts == 0
+    if options.get("cpu_blocks"):
+        assert result.swapped_out > 0
+    if options.get("num_slots") == 6:
+        assert result.unverified_drafts > 0
 
 
 def test_random_workload_on_another_model() -> None:

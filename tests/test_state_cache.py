@@ -117,13 +117,14 @@ def test_apply_matches_in_order_reference(seed: int) -> None:
 
 
 def test_segments_cut_at_saves() -> None:
-    plan = fake_plan(q_lens=[5, 1, 8], slots=[3, 0, 2], saves=[[2, 8, 7], [0, 2, 4], [2, 4, 6]])
+    saves = [[2, 8, 7], [0, 2, 4], [2, 4, 6], [2, 4, 9]]
+    plan = fake_plan(q_lens=[5, 1, 8], slots=[3, 0, 2], saves=saves)
     assert state_segments(plan) == [
-        StateSegment(0, 0, 2, 3, 4),
+        StateSegment(0, 0, 2, 3, (4,)),
         StateSegment(0, 2, 5, 3),
         StateSegment(1, 5, 6, 0),
-        StateSegment(2, 6, 10, 2, 6),
-        StateSegment(2, 10, 14, 2, 7),  # a save at the end of the query: no segment after
+        StateSegment(2, 6, 10, 2, (6, 9)),  # a draft state and a checkpoint at one point
+        StateSegment(2, 10, 14, 2, (7,)),  # a save at the end of the query: no segment after
     ]
 
 
@@ -249,8 +250,8 @@ class Engine:
                 end = begin + seg.end - seg.start
                 tokens[begin:end] = torch.tensor(rows[row][begin:end], dtype=torch.float64)
                 count.fill_(end)
-                if seg.save_to is not None:
-                    self.cache.copy(layer, seg.slot, seg.save_to)
+                for save_to in seg.save_to:
+                    self.cache.copy(layer, seg.slot, save_to)
                     self.mid_query_saves += seg.end < plan.qo_indptr[row + 1]
 
 

@@ -1,9 +1,10 @@
 """The state group of `HybridManager` through the binding: a state machine drives admissions
-(prompts sharing prefixes, some chunked), decode steps by `step` and `step_batch`, forks, frees,
+(prompts sharing prefixes, some chunked), decode steps by `step` and `step_batch`, speculative
+passes (`verify_batch`, `plan(..., drafts=)`) and rollbacks of their drafts, forks, frees, swaps,
 commits and cache resets, and runs every plan on a model of the engine's state tensors (each slot
 holds the tokens its state summarizes): every pass must start from the state of exactly the
-tokens before it, whether from a reset, a checkpoint or a fork. Bad configurations name the
-argument."""
+tokens before it, whether from a reset, a checkpoint, a fork, a swap or a draft state a rollback
+restored. Bad configurations name the argument."""
 
 from __future__ import annotations
 
@@ -142,6 +143,51 @@ class StateGroupMachine(RuleBasedStateMachine):
         self.engine.run(plan, rows, [len(t) - 1 for _, t in rows])
 
     @precondition(lambda self: self.live)
+    @rule(
+        data=st.data(),
+        drafts=st.lists(st.integers(0, 3), max_size=3),
+        persistent=st.booleans(),
+    )
+    def speculate(self, data: st.DataObject, drafts: list[int], persistent: bool) -> None:
+        """A pass over the last sampled token and `drafts`, then a rollback of the rejected."""
+        seq = data.draw(st.sampled_from(sorted(self.live)))
+        new = [data.draw(st.integers(0, 3)), *drafts]
+        start = len(self.live[seq])
+        batches = [Batch() for _ in self.mgr.groups]
+        for batch in batches:
+            batch.add(seq)
+        plan: Any
+        if persistent:
+            try:
+                self.mgr.verify_batch(batches, new, [len(new)])
+            except OutOfBlocks:
+                return
+            plan = batches[0]
+        else:
+            try:
+                self.mgr.append(seq, new)
+            except OutOfBlocks:
+                return
+            try:
+                plan = self.mgr.plan([seq], [len(new)], drafts=[len(drafts)])[0]
+            except OutOfBlocks:  # no slots for the draft states: drop what was appended
+                self.mgr.rollback([seq], [len(new)])
+                assert self.mgr.num_tokens(seq) == start
+                return
+        self.live[seq] = self.live[seq] + new
+        self.engine.run(plan, [(seq, self.live[seq])], [start])
+        rejected = data.draw(st.integers(0, len(drafts)))
+        if persistent:
+            self.mgr.rollback_batch(batches, [rejected])
+        else:
+            self.mgr.rollback([seq], [rejected])
+        del self.live[seq][len(self.live[seq]) - rejected :]
+        self._refresh_slots()
+        if rejected < len(new) - 1:  # a rollback below the pass's first draft state
+            with pytest.raises(ValueError, match=r"not kept|left the attention window"):
+                self.mgr.rollback([seq], [len(new) - rejected])
+
+    @precondition(lambda self: self.live)
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(sorted(self.live)))
@@ -277,10 +323,14 @@ def test_state_refusals_name_the_call() -> None:
     with pytest.raises(ValueError, match="plan it before swapping it out"):
         mgr.swap_out([1])
     mgr.plan([1], [5])
+    with pytest.raises(ValueError, match="its state after them was not kept"):
+        mgr.rollback([1], [1])  # a pass planned without drafts keeps no earlier state
     with pytest.raises(OutOfBlocks, match="state slots"):
         mgr.swap_out([1])  # no CPU state slot
-    with pytest.raises(ValueError, match="rollback"):
-        mgr.rollback([1], [1])
+    with pytest.raises(ValueError, match="3 drafts in a query of 3 tokens"):
+        mgr.plan([1], [3], drafts=[3])
+    with pytest.raises(ValueError, match="1 sequences but 2 draft counts"):
+        mgr.plan([1], [3], drafts=[1, 1])
     with pytest.raises(ValueError, match="no state group"):
         HybridManager(64, 4, [Attention.full()]).state_stats()
     assert mgr.num_tokens(1) == 5

@@ -13,8 +13,8 @@ for layer in range(num_layers):
     for seg in state_segments(plans[0]):       # each row's query, cut where it saves
         conv, ssm = cache.states(layer, seg.slot)
         ...                                    # run tokens seg.start:seg.end, update in place
-        if seg.save_to is not None:
-            cache.copy(layer, seg.slot, seg.save_to)
+        for slot in seg.save_to:                 # checkpoints and draft states
+            cache.copy(layer, seg.slot, slot)
 ```
 """
 
@@ -56,21 +56,23 @@ class StatePlan(Protocol):
 @dataclass(frozen=True)
 class StateSegment:
     """Packed query tokens `start:end` of batch row `row`, run on state `slot`; after them the
-    state is saved into slot `save_to` (a checkpoint once the pass is committed), if not None."""
+    state is saved into each slot of `save_to` (a checkpoint once the pass is committed, or a
+    draft state a rollback may return to)."""
 
     row: int
     start: int
     end: int
     slot: int
-    save_to: int | None = None
+    save_to: tuple[int, ...] = ()
 
 
 def state_segments(plan: StatePlan) -> list[StateSegment]:
     """Each row's query tokens in plan order, cut after every save offset of `state_saves`.
 
     A row without saves is one segment; a row saving after its first `t` of `q` query tokens
-    is two (`t < q`) or one that saves (`t == q`). Raises `ValueError` for saves that name no
-    row or an offset outside the row's query.
+    is two (`t < q`) or one that saves (`t == q`); saves at one offset are one segment's
+    `save_to`. Raises `ValueError` for saves that name no row or an offset outside the row's
+    query.
     """
     indptr = np.asarray(plan.qo_indptr, dtype=np.int64)
     slots = np.asarray(plan.state_slots, dtype=np.int64)
@@ -78,20 +80,20 @@ def state_segments(plan: StatePlan) -> list[StateSegment]:
     if slots.shape != (rows,):
         raise ValueError(f"state_slots must have shape [{rows}] (one per row), got {slots.shape}")
     saves = _array("state_saves", plan.state_saves, 3)
-    by_row: dict[int, list[tuple[int, int]]] = {}
+    by_row: dict[int, dict[int, list[int]]] = {}
     for row, tokens, slot in saves.tolist():
         if not 0 <= row < rows:
             raise ValueError(f"state_saves names row {row} of a batch of {rows}")
         q = int(indptr[row + 1] - indptr[row])
         if not 0 < tokens <= q:
             raise ValueError(f"state_saves offset {tokens} is outside row {row}'s {q} queries")
-        by_row.setdefault(row, []).append((tokens, slot))
+        by_row.setdefault(row, {}).setdefault(tokens, []).append(slot)
     segments: list[StateSegment] = []
     for row in range(rows):
         start, end, slot = int(indptr[row]), int(indptr[row + 1]), int(slots[row])
         cut = start
-        for tokens, save_to in sorted(by_row.get(row, [])):
-            segments.append(StateSegment(row, cut, start + tokens, slot, save_to))
+        for tokens, save_to in sorted(by_row.get(row, {}).items()):
+            segments.append(StateSegment(row, cut, start + tokens, slot, tuple(save_to)))
             cut = start + tokens
         if cut < end:
             segments.append(StateSegment(row, cut, end, slot))

@@ -6,7 +6,9 @@
 //! The engine's state tensors are indexed by slot. A plan tells the engine, before its pass,
 //! which slots to copy (a hit's checkpoint or a fork's parent into a working slot) and to reset
 //! (a new sequence), and, during the pass, after which query token of a row to save the state
-//! into which slot. A save becomes a checkpoint when that pass is committed.
+//! into which slot. A save becomes a checkpoint when that pass is committed. A speculative
+//! pass also saves the state after each of its drafts (draft states), so a rollback makes the
+//! state of the last accepted token the working state.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -97,6 +99,8 @@ pub struct StateStats {
     pub num_checkpoints: usize,
     /// Slots a planned pass writes a checkpoint into (not committed yet).
     pub num_saving: usize,
+    /// Slots holding draft states of speculative passes not committed yet.
+    pub num_drafts: usize,
     /// Slots of the CPU state pool.
     pub num_cpu_slots: usize,
     /// Free slots of the CPU state pool.
@@ -122,6 +126,9 @@ enum Slot {
     Working(SeqId),
     /// Written by a planned pass of the sequence; a checkpoint once that pass is committed.
     Saving(SeqId),
+    /// A draft state of the sequence's speculative pass: its working state if a rollback
+    /// ends there, FREE once the pass is committed.
+    Draft(SeqId),
     /// A committed checkpoint; in the eviction order unless a queued copy reads it.
     Checkpoint(Checkpoint),
     /// A freed sequence's working slot that a queued copy still reads.
@@ -157,6 +164,9 @@ struct SeqState {
     resume: usize,
     /// Saves of planned passes: (tokens the state is after, slot).
     saving: Vec<(usize, SlotId)>,
+    /// Draft states of planned speculative passes, by increasing point: (tokens the state is
+    /// after, slot).
+    drafts: Vec<(usize, SlotId)>,
     /// The checkpoints this sequence registered but its branch point's, oldest first: slot,
     /// registration.
     kept: VecDeque<(SlotId, u64)>,
@@ -189,11 +199,13 @@ pub(crate) struct SavedPrefix<'a> {
     pub(crate) tokens: &'a [Token],
 }
 
-/// One row of a planned pass: the sequence and the positions its query covers.
+/// One row of a planned pass: the sequence, the positions its query covers and how many of
+/// its last tokens are drafts (whose states are kept for a rollback).
 pub(crate) struct StateRow {
     pub(crate) seq: SeqId,
     pub(crate) start: usize,
     pub(crate) end: usize,
+    pub(crate) drafts: usize,
 }
 
 /// A sequence's record, holding `working`, with no saves or checkpoints yet.
@@ -205,19 +217,8 @@ fn new_seq(working: SlotId, prompt_point: usize, branch: usize, resume: usize) -
         resume,
         prompt_point,
         saving: Vec::new(),
+        drafts: Vec::new(),
         kept: VecDeque::new(),
-    }
-}
-
-/// Orders one row's `(row, tokens, slot)` saves by `tokens`.
-fn sort_saves(saves: &mut [i32]) {
-    if saves.len() <= 3 {
-        return;
-    }
-    let mut triples: Vec<[i32; 3]> = saves.chunks_exact(3).map(|t| [t[0], t[1], t[2]]).collect();
-    triples.sort_unstable_by_key(|t| t[1]);
-    for (dst, t) in saves.chunks_exact_mut(3).zip(triples) {
-        dst.copy_from_slice(&t);
     }
 }
 
@@ -411,6 +412,9 @@ impl StateCache {
             self.release(slot);
             self.num_saving -= 1;
         }
+        for (_, slot) in s.drafts {
+            self.release(slot);
+        }
         if let Some(swap) = s.swap {
             self.cpu_free.push(swap.cpu);
         }
@@ -473,13 +477,15 @@ impl StateCache {
     }
 
     /// Moves the states of `seqs` (checked by [`StateCache::check_swap`]) to the CPU pool;
-    /// returns the `[gpu, cpu]` slot pairs to copy. Saves not committed yet are dropped.
+    /// returns the `[gpu, cpu]` slot pairs to copy. Saves not committed yet and draft states
+    /// are dropped.
     pub(crate) fn swap_out(&mut self, seqs: &[SeqId]) -> Vec<[SlotId; 2]> {
         let mut pairs = Vec::with_capacity(seqs.len());
         for &seq in seqs {
             let cpu = self.cpu_free.pop().expect("checked available");
             let s = self.seqs.get_mut(&seq).expect("swapped sequences are live");
             let saving = std::mem::take(&mut s.saving);
+            let drafts = std::mem::take(&mut s.drafts);
             s.swap = Some(Swap {
                 cpu,
                 holds_gpu: true,
@@ -488,6 +494,9 @@ impl StateCache {
             for (_, slot) in saving {
                 self.release(slot);
                 self.num_saving -= 1;
+            }
+            for (_, slot) in drafts {
+                self.release(slot);
             }
         }
         pairs
@@ -548,8 +557,9 @@ impl StateCache {
     }
 
     /// Writes the state inputs of a pass over `rows` into `plan`'s `state_*` fields: each
-    /// row's working slot, the queued copies and resets, and the checkpoints to save (a slot
-    /// each, while the budget allows).
+    /// row's working slot, the queued copies and resets, and the states to save: every row's
+    /// draft states (slots checked by [`StateCache::check_available`]), then the checkpoints (a
+    /// slot each, while the budget allows).
     pub(crate) fn plan(&mut self, rows: &[StateRow], plan: &mut Plan) {
         let (slots, copies, resets, saves) = (
             &mut plan.state_slots,
@@ -571,11 +581,23 @@ impl StateCache {
             self.unpin(src);
         }
         resets.extend(self.resets.drain(..).map(|slot| slot as i32));
+        // Draft states first: a checkpoint save may take the last slot.
+        let mut row_saves: Vec<Vec<[i32; 3]>> = Vec::with_capacity(rows.len());
         for (row, r) in rows.iter().enumerate() {
+            let mut kept = Vec::with_capacity(r.drafts);
+            for point in r.end - r.drafts..r.end {
+                let slot = self.take_slot().expect("draft slots checked available");
+                self.slots[slot as usize] = Slot::Draft(r.seq);
+                let s = self.seqs.get_mut(&r.seq).expect("planned rows are live");
+                s.drafts.push((point, slot));
+                kept.push([row as i32, (point - r.start) as i32, slot as i32]);
+            }
+            row_saves.push(kept);
+        }
+        for ((row, r), mut row_saves) in rows.iter().enumerate().zip(row_saves) {
             let s = self.seqs.get_mut(&r.seq).expect("planned rows are live");
             s.resume = r.end;
             slots.push(s.working as i32);
-            let row_saves = saves.len();
             for point in self.points(r) {
                 let Some(slot) = self.take_checkpoint_slot() else {
                     self.stats.skipped += 1;
@@ -585,9 +607,11 @@ impl StateCache {
                 self.num_saving += 1;
                 let s = self.seqs.get_mut(&r.seq).expect("planned rows are live");
                 s.saving.push((point, slot));
-                saves.extend([row as i32, (point - r.start) as i32, slot as i32]);
+                row_saves.push([row as i32, (point - r.start) as i32, slot as i32]);
             }
-            sort_saves(&mut saves[row_saves..]);
+            // Stable: a draft state before a checkpoint at the same point.
+            row_saves.sort_by_key(|t| t[1]);
+            saves.extend(row_saves.iter().flatten());
         }
     }
 
@@ -622,6 +646,64 @@ impl StateCache {
             return Some(slot);
         }
         self.take_slot()
+    }
+
+    /// Frees the draft states of `seq` at points up to `computed` (a committed pass is never
+    /// rolled back into), in increasing points.
+    pub(crate) fn drop_drafts(&mut self, seq: SeqId, computed: usize) {
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        let done = s.drafts.partition_point(|&(point, _)| point <= computed);
+        let dropped: Vec<(usize, SlotId)> = s.drafts.drain(..done).collect();
+        for (_, slot) in dropped {
+            self.release(slot);
+        }
+    }
+
+    /// Fails unless `seq` can be rolled back to `len` tokens: its state point is at most
+    /// `len`, or a draft state holds the state after `len` tokens.
+    pub(crate) fn check_rollback(&self, seq: SeqId, len: usize) -> Result<(), Error> {
+        let s = &self.seqs[&seq];
+        if len >= s.resume || s.drafts.iter().any(|&(point, _)| point == len) {
+            return Ok(());
+        }
+        Err(invalid(format!(
+            "sequence {seq}: cannot roll back to {len} tokens: its state after them was not \
+             kept (a rollback ends within the drafts of its last speculative pass)"
+        )))
+    }
+
+    /// Rolls `seq` back to `len` tokens (checked by [`StateCache::check_rollback`]): below its
+    /// state point, the saves and draft states past `len` are freed and the draft state at
+    /// `len` becomes its working state.
+    pub(crate) fn rollback(&mut self, seq: SeqId, len: usize) {
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .expect("rolled back a live sequence");
+        if len >= s.resume {
+            return;
+        }
+        s.resume = len;
+        let kept = s.drafts.partition_point(|&(point, _)| point <= len);
+        let past: Vec<(usize, SlotId)> = s.drafts.drain(kept..).collect();
+        let (_, adopted) = s.drafts.pop().expect("checked: a draft state at len");
+        let mut freed = Vec::new();
+        s.saving.retain(|&(point, slot)| {
+            if point > len {
+                freed.push(slot);
+            }
+            point <= len
+        });
+        let working = std::mem::replace(&mut s.working, adopted);
+        self.slots[adopted as usize] = Slot::Working(seq);
+        self.num_saving -= freed.len();
+        freed.extend(past.into_iter().map(|(_, slot)| slot));
+        for slot in freed {
+            self.release(slot);
+        }
+        self.release_working(working);
     }
 
     /// The furthest save point of `seq` that `computed` tokens reach, if any.
@@ -745,6 +827,7 @@ impl StateCache {
         stats.num_working = self.seqs.values().filter(|s| s.gpu().is_some()).count();
         stats.num_checkpoints = self.map.len();
         stats.num_saving = self.num_saving;
+        stats.num_drafts = self.seqs.values().map(|s| s.drafts.len()).sum();
         stats.num_cpu_slots = self.config.num_cpu_slots as usize;
         stats.num_cpu_free = self.cpu_free.len();
         stats
@@ -785,6 +868,15 @@ impl StateCache {
                 if !matches!(self.slots[slot as usize], Slot::Saving(w) if w == id) {
                     return broken(format!("sequence {id}'s save slot {slot}"));
                 }
+            }
+            for &(_, slot) in &s.drafts {
+                mark(slot);
+                if !matches!(self.slots[slot as usize], Slot::Draft(w) if w == id) {
+                    return broken(format!("sequence {id}'s draft slot {slot}"));
+                }
+            }
+            if !s.drafts.is_sorted_by_key(|&(point, _)| point) {
+                return broken(format!("sequence {id}'s draft states out of order"));
             }
         }
         let draining = (0..self.slots.len())

@@ -29,7 +29,8 @@
 //! plans and rollbacks, and (hybrid) hits a group shortened; with states: checkpoint hits,
 //! saves, skips, evictions and cap drops, branch points, KV hits past the state's checkpoint
 //! and the rows recomputing it, forks of queued states, draining slots, swaps of states,
-//! passes refused off the state point, OutOfStateSlots and the calls a state group refuses.
+//! passes refused off the state point, OutOfStateSlots, the loads a state group refuses, and
+//! rollbacks to draft states and past them.
 //!
 //! Where SEMANTICS.md leaves an order open (which of several validation errors wins), the model
 //! returns every error that applies and the real one must be among them; capacity errors
@@ -186,12 +187,15 @@ struct Seen {
     shortened_hits: u64,
     /// Plans and rollbacks refused because they would read released blocks.
     window_refusals: u64,
-    /// State group: admissions and forks refused for want of a slot, calls refused because
-    /// a state cannot move or roll back, admissions that set a branch point, forks of a
-    /// parent whose own copy was still queued, frees that left a DRAINING slot, and rows
-    /// whose working state the engine model checked.
+    /// State group: admissions and forks refused for want of a slot, loads refused (no
+    /// store holds states), rollbacks that restored a draft state and rollbacks refused for
+    /// want of one, admissions that set a branch point, forks of a parent whose own copy was
+    /// still queued, frees that left a DRAINING slot, and rows whose working state the engine
+    /// model checked.
     out_of_state_slots: u64,
     state_refusals: u64,
+    state_rollbacks: u64,
+    draft_refusals: u64,
     branch_points: u64,
     chained_forks: u64,
     draining: u64,
@@ -224,6 +228,7 @@ enum StateSlot {
     Free,
     Working(SeqId),
     Saving(SeqId),
+    Draft(SeqId),
     /// A committed checkpoint: group 0's key of the prefix it is the state after, the queued
     /// copies reading it, and which registration it is (for the per-sequence cap).
     Checkpoint {
@@ -248,6 +253,8 @@ struct StateSeq {
     resume: usize,
     /// Saves of planned passes, in the order they were planned: (point, slot).
     saving: Vec<(usize, SlotId)>,
+    /// Draft states of planned speculative passes, by increasing point: (point, slot).
+    drafts: Vec<(usize, SlotId)>,
     /// The checkpoints it registered but its branch point's, oldest first: (slot,
     /// registration).
     kept: VecDeque<(SlotId, u64)>,
@@ -390,6 +397,7 @@ impl StateModel {
             branch,
             resume,
             saving: Vec::new(),
+            drafts: Vec::new(),
             kept: VecDeque::new(),
         };
         self.seqs.insert(seq, state);
@@ -417,6 +425,7 @@ impl StateModel {
             working,
             swap: None,
             saving: Vec::new(),
+            drafts: Vec::new(),
             kept: VecDeque::new(),
             ..p
         };
@@ -432,6 +441,14 @@ impl StateModel {
             assert!(
                 matches!(saving, StateSlot::Saving(w) if *w == seq),
                 "model: {saving:?}"
+            );
+            self.release(slot);
+        }
+        for &(_, slot) in &s.drafts {
+            let draft = &self.slots[slot as usize];
+            assert!(
+                matches!(draft, StateSlot::Draft(w) if *w == seq),
+                "model: {draft:?}"
             );
             self.release(slot);
         }
@@ -502,7 +519,8 @@ impl StateModel {
             let s = self.seqs.get_mut(seq).expect("model: live");
             s.swap = Some((cpu, true));
             pairs.push([s.working, cpu]);
-            for (_, slot) in std::mem::take(&mut s.saving) {
+            let drafts = std::mem::take(&mut s.drafts);
+            for (_, slot) in std::mem::take(&mut s.saving).into_iter().chain(drafts) {
                 self.release(slot);
             }
         }
@@ -548,6 +566,14 @@ impl StateModel {
     /// Commits the saves of `seq` at points up to `computed`, registered under `key(point)`
     /// (none: unknown).
     fn commit(&mut self, seq: SeqId, computed: usize, key: impl Fn(usize) -> Option<Key>) {
+        // First the draft states the commit reaches are FREE, in increasing points.
+        let s = self.seqs.get_mut(&seq).expect("model: live");
+        let (done, left): (Vec<_>, Vec<_>) =
+            (s.drafts.drain(..)).partition(|&(point, _)| point <= computed);
+        s.drafts = left;
+        for (_, slot) in done {
+            self.release(slot);
+        }
         let s = self.seqs.get_mut(&seq).expect("model: live");
         let (mut done, left): (Vec<_>, Vec<_>) =
             (s.saving.drain(..)).partition(|&(point, _)| point <= computed);
@@ -601,9 +627,10 @@ impl StateModel {
         }
     }
 
-    /// The state inputs of a pass over `rows` (sequence, query start, query end), after
-    /// their saves were committed: the queue, each row's working slot and its saves.
-    fn plan(&mut self, rows: &[(SeqId, usize, usize)], plan: &mut Plan) {
+    /// The state inputs of a pass over `rows` (sequence, query start, query end, drafts),
+    /// after their saves were committed: the queue, every row's draft states, then each row's
+    /// working slot and its saves.
+    fn plan(&mut self, rows: &[(SeqId, usize, usize, usize)], plan: &mut Plan) {
         let queued = std::mem::take(&mut self.copies);
         plan.state_copies = (queued.iter())
             .flat_map(|&[src, dst]| [src as i32, dst as i32])
@@ -612,8 +639,20 @@ impl StateModel {
             self.unpin(src);
         }
         plan.state_resets = (self.resets.drain(..)).map(|s| s as i32).collect();
+        let mut drafted: Vec<Vec<i32>> = Vec::new();
+        for (row, &(seq, start, end, drafts)) in rows.iter().enumerate() {
+            let mut saves = Vec::new();
+            for point in end - drafts..end {
+                let slot = self.take().expect("model: draft slots checked");
+                self.slots[slot as usize] = StateSlot::Draft(seq);
+                let s = self.seqs.get_mut(&seq).expect("model: live");
+                s.drafts.push((point, slot));
+                saves.extend([row as i32, (point - start) as i32, slot as i32]);
+            }
+            drafted.push(saves);
+        }
         let (bs, interval) = (self.bs, self.config.checkpoint_interval as usize);
-        for (row, &(seq, start, end)) in rows.iter().enumerate() {
+        for (row, &(seq, start, end, _)) in rows.iter().enumerate() {
             let s = self.seqs.get_mut(&seq).expect("model: live");
             s.resume = end;
             plan.state_slots.push(s.working as i32);
@@ -636,6 +675,7 @@ impl StateModel {
             }
             points.retain(|&p| s.saving.iter().all(|&(q, _)| q != p));
             let first_save = plan.state_saves.len();
+            plan.state_saves.append(&mut drafted[row]);
             for point in points {
                 let budget = self.map.len() + self.num_saving();
                 let slot = if budget >= self.config.max_checkpoints as usize {
@@ -662,6 +702,40 @@ impl StateModel {
         }
     }
 
+    /// Whether `seq` can roll back to `len` tokens: at or past its state point, or to a draft
+    /// state.
+    fn can_roll_back(&self, seq: SeqId, len: usize) -> bool {
+        let s = &self.seqs[&seq];
+        len >= s.resume || s.drafts.iter().any(|&(point, _)| point == len)
+    }
+
+    /// Rolls `seq` back to `len` tokens: below its state point, its saves past `len` (in the
+    /// order planned), then its draft states past `len` (increasing), then its working slot
+    /// are released, and the draft state at `len` is its working slot. Returns whether it
+    /// restored a draft state.
+    fn rollback(&mut self, seq: SeqId, len: usize) -> bool {
+        let s = self.seqs.get_mut(&seq).expect("model: live");
+        if len >= s.resume {
+            return false;
+        }
+        s.resume = len;
+        let (saving, dropped): (Vec<_>, Vec<_>) =
+            (s.saving.drain(..)).partition(|&(point, _)| point <= len);
+        s.saving = saving;
+        let (drafts, past): (Vec<_>, Vec<_>) =
+            (s.drafts.drain(..)).partition(|&(point, _)| point <= len);
+        s.drafts = drafts;
+        let (point, adopted) = s.drafts.pop().expect("model: checked");
+        assert_eq!(point, len);
+        let working = std::mem::replace(&mut s.working, adopted);
+        for (_, slot) in dropped.into_iter().chain(past) {
+            self.release(slot);
+        }
+        self.slots[adopted as usize] = StateSlot::Working(seq);
+        self.release_working(seq, working);
+        true
+    }
+
     /// `reset_prefix_cache`: every unpinned checkpoint is FREE, in LRU order.
     fn reset(&mut self) {
         while let Some(slot) = self.lru.pop_front() {
@@ -680,6 +754,7 @@ impl StateModel {
             num_working: self.seqs.values().filter(|s| s.gpu().is_some()).count(),
             num_checkpoints: self.map.len(),
             num_saving: self.num_saving(),
+            num_drafts: self.seqs.values().map(|s| s.drafts.len()).sum(),
             num_cpu_slots: self.config.num_cpu_slots as usize,
             num_cpu_free: self.cpu_free.len(),
             ..self.counters
@@ -1221,7 +1296,7 @@ impl Model {
         state.map.get(&self.key(0, salt, tokens, last)).copied()
     }
 
-    /// Refuses a call that would move, roll back or load a recurrent state.
+    /// Refuses a load: no external store holds recurrent states.
     fn no_state(&mut self) -> Expect<()> {
         if self.state.is_some() {
             self.seen.state_refusals += 1;
@@ -1253,17 +1328,18 @@ impl Model {
         });
     }
 
-    /// The state inputs of a pass whose rows are `(sequence, query start)`, into group 0's
-    /// plan: every row's due saves are committed first, then the queue and rows are planned.
-    fn plan_states(&mut self, rows: &[(SeqId, usize)], plan: &mut Plan) {
+    /// The state inputs of a pass whose rows are `(sequence, query start, drafts)`, into
+    /// group 0's plan: every row's due saves are committed first, then the queue and rows are
+    /// planned.
+    fn plan_states(&mut self, rows: &[(SeqId, usize, usize)], plan: &mut Plan) {
         if self.state.is_none() {
             return;
         }
-        for &(seq, _) in rows {
+        for &(seq, ..) in rows {
             self.commit_states(seq);
         }
-        let rows: Vec<(SeqId, usize, usize)> = (rows.iter())
-            .map(|&(seq, start)| (seq, start, self.seqs[&seq].tokens.len()))
+        let rows: Vec<(SeqId, usize, usize, usize)> = (rows.iter())
+            .map(|&(seq, start, drafts)| (seq, start, self.seqs[&seq].tokens.len(), drafts))
             .collect();
         let state = self.state.as_mut().expect("checked");
         state.plan(&rows, plan);
@@ -1442,7 +1518,6 @@ impl Model {
             return Err(errs);
         }
         let starts: Vec<usize> = seqs.iter().map(|s| self.seqs[s].tokens.len()).collect();
-        self.check_resume(seqs, &starts)?;
         // A completed copy may unshare another member's tail: those commits come first.
         for g in self.groups() {
             for &s in seqs {
@@ -1451,6 +1526,9 @@ impl Model {
                 }
             }
         }
+        self.check_resume(seqs, &starts)?;
+        let drafts: Vec<usize> = counts.iter().map(|&c| c as usize - 1).collect();
+        self.check_draft_slots(&drafts)?;
         let needed: usize = (self.groups())
             .map(|g| {
                 (seqs.iter().zip(counts))
@@ -1483,15 +1561,30 @@ impl Model {
             self.finish_plan(&mut p);
             plans.push(p);
         }
-        let rows: Vec<(SeqId, usize)> = seqs.iter().copied().zip(starts).collect();
+        let rows: Vec<(SeqId, usize, usize)> = (seqs.iter().zip(starts).zip(drafts))
+            .map(|((&seq, start), drafts)| (seq, start, drafts))
+            .collect();
         self.plan_states(&rows, &mut plans[0]);
         Ok(plans)
+    }
+
+    /// With a state group, the draft states of a pass need slots: after the passes' other
+    /// checks, before the KV pool's capacity.
+    fn check_draft_slots(&mut self, drafts: &[usize]) -> Expect<()> {
+        let Some(state) = &self.state else {
+            return Ok(());
+        };
+        let (needed, available) = (drafts.iter().sum(), state.available(None));
+        if needed > available {
+            self.seen.out_of_state_slots += 1;
+            return Err(vec![Error::OutOfStateSlots { needed, available }]);
+        }
+        Ok(())
     }
 
     /// `rollback`: drops the last `counts[i]` (uncommitted) tokens of `seqs[i]`; in each
     /// group, group by group, the blocks past the new length are released, last first.
     fn rollback(&mut self, seqs: &[SeqId], counts: &[usize]) -> Expect<()> {
-        self.no_state()?;
         let mut errs = Vec::new();
         if seqs.len() != counts.len() || has_repeats(seqs) {
             errs.push(invalid());
@@ -1513,6 +1606,15 @@ impl Model {
         if !errs.is_empty() {
             return Err(errs);
         }
+        // The state group: a rollback below a state point ends at a draft state.
+        if let Some(state) = &self.state {
+            let kept = (seqs.iter().zip(counts))
+                .all(|(s, &n)| state.can_roll_back(*s, self.seqs[s].tokens.len() - n));
+            if !kept {
+                self.seen.draft_refusals += 1;
+                return Err(vec![invalid()]);
+            }
+        }
         for g in self.groups() {
             for (&seq, &count) in seqs.iter().zip(counts) {
                 let m = self.seqs.get_mut(&seq).expect("model: validated");
@@ -1533,13 +1635,28 @@ impl Model {
             let m = self.seqs.get_mut(&seq).expect("model: validated");
             m.tokens.truncate(m.tokens.len() - count);
             self.seen.rolled_back += count as u64;
+            let len = m.tokens.len();
+            if let Some(state) = self.state.as_mut() {
+                self.seen.state_rollbacks += u64::from(state.rollback(seq, len));
+            }
         }
         Ok(())
     }
 
-    fn plan(&mut self, seqs: &[SeqId], query_lens: &[u32]) -> Expect<Vec<Plan>> {
+    /// `plan`, or `plan_with_drafts` when `drafts` are given (a hybrid manager's).
+    fn plan(
+        &mut self,
+        seqs: &[SeqId],
+        query_lens: &[u32],
+        drafts: Option<&[u32]>,
+    ) -> Expect<Vec<Plan>> {
         let mut errs = Vec::new();
         if seqs.len() != query_lens.len() || has_repeats(seqs) {
+            errs.push(invalid());
+        }
+        if drafts.is_some_and(|d| {
+            d.len() != seqs.len() || d.iter().zip(query_lens).any(|(&d, &q)| d >= q)
+        }) {
             errs.push(invalid());
         }
         for (&s, &q) in seqs.iter().zip(query_lens) {
@@ -1562,6 +1679,11 @@ impl Model {
             .map(|(s, &q)| self.seqs[s].tokens.len() - q as usize)
             .collect();
         self.check_resume(seqs, &starts)?;
+        let drafts: Vec<usize> = match drafts {
+            Some(d) => d.iter().map(|&d| d as usize).collect(),
+            None => vec![0; seqs.len()],
+        };
+        self.check_draft_slots(&drafts)?;
         // With a state group, queries over KV planned already (a state recomputed over a KV
         // hit) write no KV: slot -1.
         let cached: Vec<usize> = (seqs.iter().zip(&starts))
@@ -1585,8 +1707,8 @@ impl Model {
             self.finish_plan(&mut p);
             plans.push(p);
         }
-        let rows: Vec<(SeqId, usize)> = (seqs.iter().zip(query_lens))
-            .map(|(&s, &q)| (s, self.seqs[&s].tokens.len() - q as usize))
+        let rows: Vec<(SeqId, usize, usize)> = (seqs.iter().zip(query_lens).zip(drafts))
+            .map(|((&s, &q), d)| (s, self.seqs[&s].tokens.len() - q as usize, d))
             .collect();
         self.plan_states(&rows, &mut plans[0]);
         Ok(plans)
@@ -2190,9 +2312,11 @@ enum Op {
         /// `batch` first, instead of `step`.
         persistent: bool,
     },
+    /// `plan`; a hybrid manager's with drafts (`plan_with_drafts`) when `drafts` is given.
     Plan {
         batch: Batch,
         query_lens: Vec<Count>,
+        drafts: Option<Vec<Count>>,
     },
     /// `verify_batch` through the harness's persistent batches, their rows made those of `batch`
     /// first: each row appends its drafted tokens, 1 to 5 (or a raw, possibly bad, count).
@@ -2290,10 +2414,10 @@ fn count() -> impl Strategy<Value = Count> {
     ]
 }
 
-/// An operation; with a state group (`state`), the calls it refuses (loads, speculative
-/// steps, rollbacks) come less often, and forks and swaps more often.
+/// An operation; with a state group (`state`), the loads it refuses come less often, and
+/// forks and swaps more often.
 fn op(state: bool) -> impl Strategy<Value = Op> {
-    let (loads, speculative, fork) = if state { (1, 1, 4) } else { (2, 4, 2) };
+    let (loads, speculative, fork) = if state { (1, 4, 4) } else { (2, 4, 2) };
     let swaps = if state { 4 } else { 2 };
     let append_tokens = prop_oneof![
         15 => prop::collection::vec(token(), 1..=5),
@@ -2320,8 +2444,12 @@ fn op(state: bool) -> impl Strategy<Value = Op> {
                 extra_token,
                 persistent,
             }),
-        6 => (batch(4), prop::collection::vec(count(), 5))
-            .prop_map(|(batch, query_lens)| Op::Plan { batch, query_lens }),
+        6 => (
+            batch(4),
+            prop::collection::vec(count(), 5),
+            prop::option::weighted(0.3, prop::collection::vec(count(), 4)),
+        )
+            .prop_map(|(batch, query_lens, drafts)| Op::Plan { batch, query_lens, drafts }),
         speculative => (
             batch(4),
             prop::collection::vec(count(), 4),
@@ -2554,10 +2682,18 @@ impl Real {
         }
     }
 
-    fn plan(&self, seqs: &[SeqId], qs: &[u32], plans: &mut [Plan]) -> Result<(), Error> {
-        match self {
-            Real::One(m) => m.plan(seqs, qs, &mut plans[0]),
-            Real::Groups(m) => m.plan(seqs, qs, plans),
+    /// `plan`; a hybrid manager's `plan_with_drafts` when `drafts` are given.
+    fn plan(
+        &self,
+        seqs: &[SeqId],
+        qs: &[u32],
+        drafts: Option<&[u32]>,
+        plans: &mut [Plan],
+    ) -> Result<(), Error> {
+        match (self, drafts) {
+            (Real::One(m), _) => m.plan(seqs, qs, &mut plans[0]),
+            (Real::Groups(m), None) => m.plan(seqs, qs, plans),
+            (Real::Groups(m), Some(drafts)) => m.plan_with_drafts(seqs, qs, drafts, plans),
         }
     }
 
@@ -2883,7 +3019,11 @@ impl Harness {
                     self.run_engine(&plan, &seqs)?;
                 }
             }
-            Op::Plan { batch, query_lens } => {
+            Op::Plan {
+                batch,
+                query_lens,
+                drafts,
+            } => {
                 let seqs = self.resolve_batch(batch, Want::Resident);
                 if seqs.is_empty() {
                     return Ok(());
@@ -2901,8 +3041,23 @@ impl Harness {
                         q.resolve(lo, len, (len - resume.min(len)).max(1)) as u32
                     })
                     .collect();
-                let real = self.real.plan(&seqs, &qs, &mut self.plans);
-                let model = self.model.plan(&seqs, &qs);
+                // Drafts of a hybrid manager's pass: mostly all but one query token, or a raw
+                // (possibly bad) count.
+                let drafts: Option<Vec<u32>> = match (&self.real, drafts) {
+                    (Real::Groups(_), Some(drafts)) => Some(
+                        (qs.iter().zip(drafts.iter().cycle()))
+                            .map(|(&q, d)| {
+                                let most = (q as usize).saturating_sub(1);
+                                d.resolve(0, most, most) as u32
+                            })
+                            .collect(),
+                    ),
+                    _ => None,
+                };
+                let real = self
+                    .real
+                    .plan(&seqs, &qs, drafts.as_deref(), &mut self.plans);
+                let model = self.model.plan(&seqs, &qs, drafts.as_deref());
                 if let Some(plan) = self.same_planned(real, model)? {
                     self.run_engine(&plan, &seqs)?;
                 }
@@ -2927,13 +3082,12 @@ impl Harness {
                 if *extra_token {
                     tokens.push(0);
                 }
-                let model = match self.model.no_state() {
-                    Ok(()) => self.model.verify(&seqs, &tokens, &counts),
-                    Err(refused) => Err(refused),
-                };
+                let model = self.model.verify(&seqs, &tokens, &counts);
                 let verified = model.is_ok() && counts.iter().any(|&c| c > 1);
                 let real = self.real.verify_batch(&mut self.batches, &tokens, &counts);
-                self.same_batch_step(real, model)?;
+                if let Some(plan) = self.same_batch_step(real, model)? {
+                    self.run_engine(&plan, &seqs)?;
+                }
                 self.model.seen.verify_steps += u64::from(verified);
             }
             Op::Rollback {
@@ -2955,7 +3109,12 @@ impl Harness {
                     .map(|(s, n)| {
                         let (_, computed, len, _) = progress(self.model.seqs.get(s));
                         let uncommitted = (len - computed).min(len - 1);
-                        n.resolve(0, uncommitted, uncommitted)
+                        // With a state group, mostly the drafts of a speculative pass.
+                        let rest = match self.model.state {
+                            Some(_) => uncommitted.saturating_sub(1),
+                            None => uncommitted,
+                        };
+                        n.resolve(0, uncommitted, rest)
                     })
                     .collect();
                 let real = if persistent {
@@ -3562,6 +3721,8 @@ struct Summary {
     state_dropped: AtomicU64,
     out_of_state_slots: AtomicU64,
     state_refusals: AtomicU64,
+    state_rollbacks: AtomicU64,
+    draft_refusals: AtomicU64,
     branch_points: AtomicU64,
     chained_forks: AtomicU64,
     draining: AtomicU64,
@@ -3629,6 +3790,8 @@ impl Summary {
             (&self.state_dropped, state.dropped),
             (&self.out_of_state_slots, seen.out_of_state_slots),
             (&self.state_refusals, seen.state_refusals),
+            (&self.state_rollbacks, seen.state_rollbacks),
+            (&self.draft_refusals, seen.draft_refusals),
             (&self.branch_points, seen.branch_points),
             (&self.chained_forks, seen.chained_forks),
             (&self.draining, seen.draining),
@@ -3753,7 +3916,12 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>, kind: Kind) {
             ("checkpoints evicted", &summary.state_evictions),
             ("checkpoints dropped by the cap", &summary.state_dropped),
             ("OutOfStateSlots", &summary.out_of_state_slots),
-            ("calls refused with a state group", &summary.state_refusals),
+            ("loads refused with a state group", &summary.state_refusals),
+            ("rollbacks to a draft state", &summary.state_rollbacks),
+            (
+                "rollbacks refused past the draft states",
+                &summary.draft_refusals,
+            ),
             ("branch points", &summary.branch_points),
             (
                 "forks of a parent with a queued copy",

@@ -219,20 +219,93 @@ fn bad_state_configs_name_the_field() {
     }
 }
 
-/// Operations that would roll back or load a recurrent state are refused, changing nothing.
+/// Loads from an external store are refused (it holds no states), changing nothing.
 #[test]
-fn rollbacks_and_loads_are_refused_with_a_state_group() {
+fn loads_are_refused_with_a_state_group() {
     let mgr = manager(64, state(4, 2));
     prefill(&mgr, 1, &(0..20).collect::<Vec<u32>>());
-    assert!(matches!(
-        mgr.rollback(&[1], &[1]),
-        Err(Error::InvalidArgument(_))
-    ));
     assert!(matches!(
         mgr.allocate_loading(2, &[1, 2, 3], 0, None),
         Err(Error::InvalidArgument(_))
     ));
-    assert_eq!(mgr.num_tokens(1).unwrap(), 20);
+    assert!(!mgr.contains(2));
+    mgr.check().unwrap();
+}
+
+/// A speculative pass keeps the state after each token but the last (draft states, saved like
+/// checkpoints); a rollback makes the one it ends at the working state and frees the rest;
+/// the next pass frees what is left. A rollback past the kept states, or of a pass that kept
+/// none, is refused, changing nothing.
+#[test]
+fn a_rollback_restores_the_state_of_the_last_accepted_token() {
+    let mgr = manager(64, state(8, 2));
+    prefill(&mgr, 1, &(0..20).collect::<Vec<u32>>());
+    let working = mgr.state_slot(1).unwrap();
+    let mut batches = vec![pagedkv::Batch::new()];
+    batches[0].add(1).unwrap();
+    // The last sampled token and three drafts: states after 21, 22 and 23 tokens kept.
+    mgr.verify_batch(&mut batches, &[7, 8, 9, 10], &[4])
+        .unwrap();
+    let saves: Vec<Vec<i32>> = (batches[0].inputs().state_saves.chunks(3))
+        .map(<[i32]>::to_vec)
+        .collect();
+    assert_eq!(saves.iter().map(|s| s[1]).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(batches[0].inputs().state_slots, [working as i32]);
+    assert_eq!(mgr.state_stats().unwrap().num_drafts, 3);
+    mgr.check().unwrap();
+    // One draft rejected: back to the state after 23 tokens.
+    let kept = saves[2][2] as u32;
+    mgr.rollback_batch(&mut batches, &[1]).unwrap();
+    assert_eq!(mgr.state_slot(1).unwrap(), kept);
+    assert_eq!(mgr.num_tokens(1).unwrap(), 23);
+    assert_eq!(mgr.state_stats().unwrap().num_drafts, 2);
+    mgr.check().unwrap();
+    // Back to 21 tokens as well (two more drafts dropped), but not to 20: that state is gone.
+    assert!(matches!(
+        mgr.rollback(&[1], &[3]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(mgr.num_tokens(1).unwrap(), 23);
+    mgr.rollback(&[1], &[2]).unwrap();
+    assert_eq!(mgr.state_slot(1).unwrap(), saves[0][2] as u32);
+    assert_eq!(mgr.state_stats().unwrap().num_drafts, 0);
+    mgr.check().unwrap();
+    // The next pass starts there; a plain pass keeps no draft state to roll back to.
+    mgr.step_batch(&mut batches, &[11]).unwrap();
+    assert!(batches[0].inputs().state_saves.is_empty());
+    assert!(matches!(
+        mgr.rollback(&[1], &[1]),
+        Err(Error::InvalidArgument(_))
+    ));
+    mgr.check().unwrap();
+}
+
+/// Draft states need slots: a speculative pass that cannot have them is refused before any
+/// group changes (it wins over the KV pool), and `plan` checks its draft counts.
+#[test]
+fn draft_states_need_slots() {
+    let mgr = manager(64, state(3, 1));
+    prefill(&mgr, 1, &(0..20).collect::<Vec<u32>>());
+    prefill(&mgr, 2, &(100..120).collect::<Vec<u32>>());
+    mgr.append(1, &[1, 2, 3]).unwrap();
+    let mut plans = vec![Plan::new()];
+    let err = mgr.plan_with_drafts(&[1], &[3], &[2], &mut plans);
+    assert!(matches!(
+        err,
+        Err(Error::OutOfStateSlots {
+            needed: 2,
+            available: 1
+        })
+    ));
+    assert_eq!(mgr.state_stats().unwrap().num_drafts, 0);
+    for (drafts, q) in [(&[3u32][..], 3u32), (&[1, 1][..], 3)] {
+        assert!(matches!(
+            mgr.plan_with_drafts(&[1], &[q], drafts, &mut plans),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+    mgr.plan_with_drafts(&[1], &[3], &[1], &mut plans).unwrap();
+    assert_eq!(mgr.state_stats().unwrap().num_drafts, 1);
     mgr.check().unwrap();
 }
 
@@ -332,8 +405,8 @@ impl Engine {
     }
 }
 
-/// Random admissions (prompts sharing prefixes), decode steps, forks, frees, swaps and cache
-/// resets on a tight state pool, with full attention alone (the KV reused past the state's
+/// Random admissions (prompts sharing prefixes), decode steps, speculative passes and their
+/// rollbacks, forks, frees, swaps and cache resets on a tight state pool, with full attention alone (the KV reused past the state's
 /// checkpoint) or beside a window, run against a model of the engine's state tensors: every
 /// pass starts from the state of exactly the tokens before it, whether it came from a reset,
 /// a checkpoint hit, a fork or a swap.
@@ -346,7 +419,7 @@ fn random_operations_keep_every_state_exact() {
         rng ^= rng << 17;
         rng % n
     };
-    let (mut resumed, mut moved) = (0, 0);
+    let (mut resumed, mut moved, mut speculated) = (0, 0, 0);
     for round in 0..20 {
         let mut config = state(6 + round % 4, 3);
         config.checkpoint_interval = if round % 2 == 0 { 0 } else { 32 };
@@ -368,7 +441,7 @@ fn random_operations_keep_every_state_exact() {
         let mut plans: Vec<Plan> = groups.iter().map(|_| Plan::new()).collect();
         let mut id = 0;
         for _ in 0..300 {
-            match next(12) {
+            match next(14) {
                 0..=2 => {
                     // Prompts branch off three stems at random lengths.
                     let stem = next(3) as u32;
@@ -420,6 +493,30 @@ fn random_operations_keep_every_state_exact() {
                     swapped.push(live.remove(i));
                     moved += 1;
                 }
+                12 | 13 if !live.is_empty() => {
+                    // A speculative pass: the last sampled token and `k` drafts, then the
+                    // rejected drafts rolled back (a failed plan rolls back all it appended).
+                    let i = next(live.len() as u64) as usize;
+                    let (seq, k) = (live[i].0, next(4) as u32);
+                    let tokens: Vec<u32> = (0..=k).map(|_| next(4) as u32).collect();
+                    if mgr.append(seq, &tokens).is_err() {
+                        continue;
+                    }
+                    if mgr
+                        .plan_with_drafts(&[seq], &[k + 1], &[k], &mut plans)
+                        .is_err()
+                    {
+                        mgr.rollback(&[seq], &[k as usize + 1]).unwrap();
+                        continue;
+                    }
+                    live[i].1.extend(&tokens);
+                    engine.run(&plans[0], &live[i..=i]);
+                    let rejected = next(u64::from(k) + 1) as usize;
+                    mgr.rollback(&[seq], &[rejected]).unwrap();
+                    let len = live[i].1.len() - rejected;
+                    live[i].1.truncate(len);
+                    speculated += 1;
+                }
                 11 if !swapped.is_empty() => {
                     let i = next(swapped.len() as u64) as usize;
                     let Ok(pairs) = mgr.swap_in(&[swapped[i].0]) else {
@@ -439,6 +536,7 @@ fn random_operations_keep_every_state_exact() {
     }
     assert!(resumed > 0, "no admission resumed from a checkpoint");
     assert!(moved > 0, "no state was swapped");
+    assert!(speculated > 0, "no speculative pass ran");
 }
 
 /// A working state already holds the planned tokens: a plan covering them again is refused,

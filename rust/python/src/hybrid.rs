@@ -288,18 +288,25 @@ impl HybridManager {
         self.on_batches(py, batches, |b| self.inner.rollback_batch(b, &counts))
     }
 
-    /// Each group's plan of any batch: each sequence's last `query_lens[i]` tokens are queries.
+    /// Each group's plan of any batch: each sequence's last `query_lens[i]` tokens are queries,
+    /// the last `drafts[i]` of them drafts (a state group keeps the states a rollback needs).
+    #[pyo3(signature = (seq_ids, query_lens, *, drafts = None))]
     fn plan(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         query_lens: &Bound<'_, PyAny>,
+        drafts: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<Plan>> {
         let ids = self::seq_ids(seq_ids)?;
         let lens: Vec<u32> = integers(query_lens, "query lengths")?;
+        let drafts: Option<Vec<u32>> = drafts.map(|d| integers(d, "drafts")).transpose()?;
         let mut plans = self.fresh_plans();
-        py.detach(|| self.inner.plan(&ids, &lens, &mut plans))
-            .map_err(to_py)?;
+        py.detach(|| match &drafts {
+            Some(drafts) => (self.inner).plan_with_drafts(&ids, &lens, drafts, &mut plans),
+            None => self.inner.plan(&ids, &lens, &mut plans),
+        })
+        .map_err(to_py)?;
         Ok(self.hand_out(plans))
     }
 

@@ -108,6 +108,8 @@ mirror! {
     num_checkpoints: usize,
     /// Slots a planned pass saves a checkpoint into (not committed yet).
     num_saving: usize,
+    /// Slots holding draft states of speculative passes not committed yet.
+    num_drafts: usize,
     /// Slots of the CPU state pool.
     num_cpu_slots: usize,
     /// Free slots of the CPU state pool.

@@ -286,13 +286,14 @@ impl HybridManager {
     }
 
     /// A speculative step of a persistent batch per group: see [`BlockManager::verify_batch`].
+    /// With a state group, row `r` keeps the states after its first `counts[r] - 1` tokens
+    /// (the last sampled token and all drafts but the last) for a rollback.
     pub fn verify_batch(
         &self,
         batches: &mut [Batch],
         tokens: &[Token],
         counts: &[u32],
     ) -> Result<(), Error> {
-        self.no_state("verify_batch")?;
         self.same_rows(batches)?;
         self.decode(batches, tokens, Some(counts))
     }
@@ -304,9 +305,33 @@ impl HybridManager {
         query_lens: &[u32],
         plans: &mut [Plan],
     ) -> Result<(), Error> {
+        self.plan_rows(seqs, query_lens, None, plans)
+    }
+
+    /// [`HybridManager::plan`] of a speculative pass: the last `drafts[r]` query tokens of row
+    /// `r` are drafts (fewer than its query). With a state group, the state after each token
+    /// before a draft is kept, so a rollback of up to `drafts[r]` tokens restores it.
+    pub fn plan_with_drafts(
+        &self,
+        seqs: &[SeqId],
+        query_lens: &[u32],
+        drafts: &[u32],
+        plans: &mut [Plan],
+    ) -> Result<(), Error> {
+        self.plan_rows(seqs, query_lens, Some(drafts), plans)
+    }
+
+    fn plan_rows(
+        &self,
+        seqs: &[SeqId],
+        query_lens: &[u32],
+        drafts: Option<&[u32]>,
+        plans: &mut [Plan],
+    ) -> Result<(), Error> {
         self.one_plan_each(plans)?;
         let mut held = lock(&self.lock);
-        let mut prepared = match self.prepare_plans(seqs, query_lens, held.as_deref()) {
+        let prepared = self.prepare_plans(seqs, query_lens, drafts, held.as_deref());
+        let mut prepared = match prepared {
             Ok(prepared) => prepared,
             Err(e) => {
                 for (g, plan) in self.groups.iter().zip(plans.iter_mut()) {
@@ -336,7 +361,8 @@ impl HybridManager {
                 .map(|(row, (&seq, &q))| {
                     let s = prepared[0].row(row);
                     g.commit_states(state, seq, s);
-                    state_row(seq, s, q as usize)
+                    let drafts = drafts.map_or(0, |d| d[row] as usize);
+                    state_row(seq, s, q as usize, drafts)
                 })
                 .collect();
             state.plan(&rows, &mut plans[0]);
@@ -346,13 +372,17 @@ impl HybridManager {
 
     /// Every group's first pass of `plan`. With a state group, each query must start where
     /// the sequence's state ends (its working state holds the tokens before it: they may be
-    /// neither skipped nor applied twice).
+    /// neither skipped nor applied twice), and the draft states need slots.
     fn prepare_plans(
         &self,
         seqs: &[SeqId],
         query_lens: &[u32],
+        drafts: Option<&[u32]>,
         state: Option<&StateCache>,
     ) -> Result<Vec<PreparedPlan<'_>>, Error> {
+        if let Some(drafts) = drafts {
+            check_drafts(seqs, query_lens, drafts)?;
+        }
         let mut prepared = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
             prepared.push(g.prepare_plan(seqs, query_lens)?);
@@ -362,6 +392,8 @@ impl HybridManager {
                 let s = prepared[0].row(row);
                 state.check_resume(seq, s.tokens.len() - q as usize)?;
             }
+            let needed = drafts.map_or(0, |d| d.iter().map(|&d| d as usize).sum());
+            state.check_available(needed, None)?;
         }
         Ok(prepared)
     }
@@ -384,6 +416,8 @@ impl HybridManager {
                 let (seq, place) = (rows[0].seqs()[row], rows[0].place(row));
                 state.check_resume(seq, prepared[0].at(place).tokens.len())?;
             }
+            let drafts = counts.map_or(0, |c| c.iter().map(|&c| c as usize - 1).sum());
+            state.check_available(drafts, None)?;
         }
         let needed = prepared.iter().map(|p| p.needed).sum();
         self.groups[0].reserve_gpu(needed)?;
@@ -396,7 +430,8 @@ impl HybridManager {
                 .map(|row| {
                     let (seq, s) = (rows.seqs()[row], prepared[0].at(rows.place(row)));
                     g.commit_states(state, seq, s);
-                    state_row(seq, s, 1)
+                    let q = counts.map_or(1, |c| c[row] as usize);
+                    state_row(seq, s, q, q - 1)
                 })
                 .collect();
             state.plan(&states, rows.plan());
@@ -421,29 +456,49 @@ impl HybridManager {
 
     /// Drops each sequence's last `counts[i]` tokens in every group (see
     /// [`BlockManager::rollback`]); refused where a window already released what the sequence
-    /// would read again.
+    /// would read again. With a state group, a rollback into a planned pass ends at one of its
+    /// kept draft states, which becomes the working state (the pass must have run).
     pub fn rollback(&self, seqs: &[SeqId], counts: &[usize]) -> Result<(), Error> {
-        self.no_state("rollback")?;
-        let _held = lock(&self.lock);
-        for g in &self.groups {
-            g.check_rollback(seqs, counts)?;
-        }
-        self.each(|g| g.rollback(seqs, counts))
+        let mut held = lock(&self.lock);
+        let lens = self.check_rollback(held.as_deref(), seqs, counts)?;
+        self.each(|g| g.rollback(seqs, counts))?;
+        roll_back_states(held.as_deref_mut(), seqs, &lens);
+        Ok(())
     }
 
     /// [`HybridManager::rollback`] of every row of each group's persistent batch.
     pub fn rollback_batch(&self, batches: &mut [Batch], counts: &[usize]) -> Result<(), Error> {
-        self.no_state("rollback_batch")?;
         self.same_rows(batches)?;
-        let _held = lock(&self.lock);
+        let mut held = lock(&self.lock);
         let seqs = batches[0].seqs().to_vec();
-        for g in &self.groups {
-            g.check_rollback(&seqs, counts)?;
-        }
+        let lens = self.check_rollback(held.as_deref(), &seqs, counts)?;
         for (g, batch) in self.groups.iter().zip(batches) {
             g.rollback_batch(batch, counts)?;
         }
+        roll_back_states(held.as_deref_mut(), &seqs, &lens);
         Ok(())
+    }
+
+    /// Fails unless every group, and the state group, can roll `seqs` back by `counts`;
+    /// returns the lengths they roll back to.
+    fn check_rollback(
+        &self,
+        state: Option<&StateCache>,
+        seqs: &[SeqId],
+        counts: &[usize],
+    ) -> Result<Vec<usize>, Error> {
+        for g in &self.groups {
+            g.check_rollback(seqs, counts)?;
+        }
+        let mut lens = Vec::with_capacity(seqs.len());
+        for (&seq, &count) in seqs.iter().zip(counts) {
+            let len = self.groups[0].num_tokens(seq)? - count;
+            if let Some(state) = state {
+                state.check_rollback(seq, len)?;
+            }
+            lens.push(len);
+        }
+        Ok(lens)
     }
 
     /// Makes `child` a copy-on-write copy of `parent` in every group.
@@ -768,8 +823,8 @@ impl HybridManager {
     fn no_state(&self, call: &str) -> Result<(), Error> {
         if self.has_state() {
             return Err(invalid(format!(
-                "{call}: not supported with a state group (a recurrent state cannot be rolled \
-                 back or loaded here)"
+                "{call}: not supported with a state group (an external store holds no \
+                 recurrent states)"
             )));
         }
         Ok(())
@@ -803,6 +858,26 @@ impl HybridManager {
     }
 }
 
+/// Fails unless `drafts` has a count per row, each below its row's query length.
+fn check_drafts(seqs: &[SeqId], query_lens: &[u32], drafts: &[u32]) -> Result<(), Error> {
+    if drafts.len() != seqs.len() {
+        return Err(invalid(format!(
+            "plan: {} sequences but {} draft counts",
+            seqs.len(),
+            drafts.len()
+        )));
+    }
+    let over = (drafts.iter().zip(query_lens)).position(|(&d, &q)| d >= q);
+    if let Some(row) = over {
+        return Err(invalid(format!(
+            "plan: row {row} has {} drafts in a query of {} tokens; drafts follow at least one \
+             sampled token",
+            drafts[row], query_lens[row]
+        )));
+    }
+    Ok(())
+}
+
 fn missing_state() -> Error {
     invalid("the manager has no state group")
 }
@@ -822,20 +897,33 @@ fn skip_cached_writes(plan: &mut Plan, cached: &[usize]) {
     }
 }
 
-/// The state row of a sequence whose last `q` tokens are its query.
-fn state_row(seq: SeqId, s: &Sequence, q: usize) -> StateRow {
+/// The state row of a sequence whose last `q` tokens are its query, the last `drafts` of them
+/// drafts.
+fn state_row(seq: SeqId, s: &Sequence, q: usize, drafts: usize) -> StateRow {
     let end = s.tokens.len();
     StateRow {
         seq,
         start: end - q,
         end,
+        drafts,
+    }
+}
+
+/// Rolls the states of `seqs` back to `lens` tokens (checked), in order.
+fn roll_back_states(state: Option<&mut StateCache>, seqs: &[SeqId], lens: &[usize]) {
+    if let Some(state) = state {
+        for (&seq, &len) in seqs.iter().zip(lens) {
+            state.rollback(seq, len);
+        }
     }
 }
 
 impl BlockManager {
-    /// Registers the state saves of `seq` (`s`, this group-0 manager's record) that its
-    /// computed tokens reach, keyed by the block that ends at each save point.
+    /// Frees the draft states of `seq` (`s`, this group-0 manager's record) its computed tokens
+    /// reach, then registers the state saves they reach, keyed by the block that ends at each
+    /// save point.
     fn commit_states(&self, state: &mut StateCache, seq: SeqId, s: &mut Sequence) {
+        state.drop_drafts(seq, s.computed);
         let Some(furthest) = state.due(seq, s.computed) else {
             return;
         };
