@@ -26,7 +26,8 @@ pub type SlotId = u32;
 /// checkpoints. A checkpoint is saved at the last block boundary of each prompt, where a prompt
 /// branched off a cached prefix and, with `checkpoint_interval` > 0 (a multiple of the block
 /// size), every that many tokens; a sequence keeps its last `checkpoints_per_sequence` (its
-/// branch point aside: other prompts branch there).
+/// branch point aside: other prompts branch there). A speculative pass also takes a slot per
+/// draft state until it is committed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateConfig {
     /// Slots of the state pool.

@@ -42,7 +42,8 @@ impl StateConfig {
         Ok(StateConfig { inner })
     }
 
-    /// Slots of the state pool (working slots and checkpoints).
+    /// Slots of the state pool (working slots, draft states of speculative passes and
+    /// checkpoints).
     #[getter]
     fn num_slots(&self) -> u32 {
         self.inner.num_slots
