@@ -104,6 +104,22 @@ def test_batches_rollbacks_forks_and_swaps_run_on_every_group() -> None:
     mgr.check()
 
 
+def test_plan_takes_draft_counts_without_a_state_group() -> None:
+    # Drafts matter to a state group only; without one they are checked and the KV groups roll
+    # the rejected ones back as usual.
+    mgr = hybrid()
+    mgr.allocate(1, [1] * 10)
+    mgr.plan([1], [10])
+    mgr.append(1, [5, 6, 7])
+    with pytest.raises(ValueError, match="row 0 has 3 drafts in a query of 3 tokens"):
+        mgr.plan([1], [3], drafts=[3])
+    plans = mgr.plan([1], [3], drafts=[2])
+    assert [p.positions.tolist() for p in plans] == [[10, 11, 12]] * 2
+    mgr.rollback([1], [2])
+    assert mgr.num_tokens(1) == 11
+    mgr.check()
+
+
 def test_bad_input_names_the_argument_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="groups"):
         HybridManager(8, 4, [])
