@@ -17,7 +17,6 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from pagedkv import Attention, HybridManager
 from pagedkv.kv_cache import KVCache
 from pagedkv.tier import KVTier, MemoryStore, Namespace, StoreError, StoreTimeout, TierStats
 from pagedkv.tier.codec import HEADER_SIZE
@@ -529,10 +528,3 @@ def test_tier_rejects_bad_settings() -> None:
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), save_batch_blocks=0)
     with pytest.raises(ValueError, match="load_chunk_blocks"):
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), load_chunk_blocks=0)
-
-
-def test_a_hybrid_manager_is_refused_by_name() -> None:
-    mgr = HybridManager(32, 4, [Attention.full(), Attention.sliding_window(8)])
-    cache = KVCache(1, 32, 4, 1, 2, dtype=torch.float32)
-    with pytest.raises(ValueError, match="HybridManager"):
-        KVTier(MemoryStore(), "m", mgr, cache)  # type: ignore[arg-type]

@@ -1,10 +1,10 @@
 //! The `HybridManager` Python class: KV-cache groups over one pool (see
 //! `pagedkv.HybridManager`); conversions only, like `BlockManager`'s.
 
-use numpy::{IntoPyArray, PyArray1, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyList, PyTuple};
 
 use pagedkv as core;
 
@@ -221,13 +221,16 @@ impl HybridManager {
         num_loaded: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let id = self::seq_id(seq_id)?;
-        let result = if num_loaded.is_instance_of::<pyo3::types::PyInt>() {
-            let num_loaded = integer::<u64>(num_loaded, "num_loaded")? as usize;
-            self.inner.confirm_loads(id, num_loaded)
-        } else {
+        let per_group = num_loaded.is_instance_of::<PyList>()
+            || num_loaded.is_instance_of::<PyTuple>()
+            || (num_loaded.downcast::<PyUntypedArray>()).is_ok_and(|a| a.ndim() > 0);
+        let result = if per_group {
             let counts = integers::<u64>(num_loaded, "num_loaded")?;
             let counts: Vec<usize> = counts.into_iter().map(|n| n as usize).collect();
             self.inner.confirm_group_loads(id, &counts)
+        } else {
+            let num_loaded = integer::<u64>(num_loaded, "num_loaded")? as usize;
+            self.inner.confirm_loads(id, num_loaded)
         };
         result.map_err(to_py)
     }
@@ -481,6 +484,14 @@ impl HybridManager {
         (self.inner.take_events().into_iter())
             .map(Event::from)
             .collect()
+    }
+
+    /// 16 hex digits identifying the hash key (None without prefix caching).
+    #[getter]
+    fn hash_key_fingerprint(&self) -> Option<String> {
+        self.inner
+            .hash_key_fingerprint()
+            .map(|f| format!("{f:016x}"))
     }
 
     /// Whether every group's registrations are recorded for `take_registrations`.

@@ -827,6 +827,12 @@ impl HybridManager {
         self.group(group)?.block_hashes(tokens, salt)
     }
 
+    /// A 64-bit fingerprint of the hash key (`None` without prefix caching): see
+    /// [`BlockManager::hash_key_fingerprint`].
+    pub fn hash_key_fingerprint(&self) -> Option<u64> {
+        self.groups[0].hash_key_fingerprint()
+    }
+
     /// Removes and returns every group's recorded registrations (empty unless
     /// `enable_block_feed`).
     pub fn take_registrations(&self) -> Vec<crate::Registration> {
