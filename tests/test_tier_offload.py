@@ -17,10 +17,12 @@ import numpy.typing as npt
 import pytest
 import torch
 
+from pagedkv import Attention
 from pagedkv.kv_cache import KVCache
 from pagedkv.tier import KVTier, MemoryStore, Namespace, StoreError, StoreTimeout, TierStats
 from pagedkv.tier.codec import HEADER_SIZE
-from pagedkv.tier.offload import _HostBuffers, block_spec
+from pagedkv.tier.lanes import block_spec
+from pagedkv.tier.offload import _HostBuffers
 
 BS = 4
 TOKENS = list(range(100, 121))  # 21 tokens: 5 full blocks, all hittable
@@ -30,6 +32,7 @@ class StandInManager:
     """External-admission calls of `BlockManager` for one sequence, per the API contract."""
 
     block_size = BS
+    attention = Attention.full()
 
     def __init__(self, cached_blocks: int = 0, fingerprint: str = "0123456789abcdef") -> None:
         self.hash_key_fingerprint = fingerprint

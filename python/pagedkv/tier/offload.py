@@ -38,11 +38,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pagedkv._core import Attention, BlockManager, HybridManager
+from pagedkv._core import BlockManager, HybridManager
 from pagedkv.grouped_cache import GroupedKVCache
 from pagedkv.kv_cache import HostBlocks, KVCache
 from pagedkv.tier.codec import HEADER_SIZE, BlockSpec, CorruptValue, decode, encode_into
-from pagedkv.tier.namespace import GroupKey, Namespace
+from pagedkv.tier.lanes import Lane, cache_block_size, lanes_of
 from pagedkv.tier.store import Store, StoreError, StoreTimeout
 
 
@@ -93,24 +93,9 @@ class TierStats:
         return self.lookup_blocks - self.hit_blocks
 
 
-@dataclass(frozen=True)
-class _Lane:
-    """One KV-cache group's blocks (the only one of a plain manager): the cache its pages are
-    read and written through, their spec and key space, and the group's attention."""
-
-    cache: KVCache
-    spec: BlockSpec
-    namespace: Namespace
-    attention: Attention
-
-    def reads_from(self, hit: int, end: int, block_size: int) -> int:
-        """The first block past a hit of `hit` blocks that a query at block `end` reads."""
-        return max(hit, self.attention.first_key(end * block_size) // block_size)
-
-
 @dataclass
 class _SaveBatch:
-    lane: _Lane
+    lane: Lane
     hashes: list[int]
     buffer: torch.Tensor  # from `_HostBuffers`, given back once the batch is saved or failed
     values: torch.Tensor  # uint8 [n, HEADER_SIZE + payload] rows of `buffer`
@@ -143,22 +128,6 @@ class _HostBuffers:
         with self._lock:
             if sum(b.shape[0] for b in self._idle) + buffer.shape[0] <= self._keep_rows:
                 self._idle.append(buffer)
-
-
-def block_spec(cache: KVCache) -> BlockSpec:
-    """The `BlockSpec` of one block of `cache`: its shape, dtype, layout and scales."""
-    dtype = str(cache.dtype).removeprefix("torch.")
-    scales = tuple(s for layer in range(cache.num_layers) if (s := cache.scales(layer)))
-    return BlockSpec(
-        cache.num_layers,
-        cache.block_size,
-        cache.num_kv_heads,
-        cache.head_dim,
-        dtype,
-        cache.layout,
-        cache.rope_dim,
-        scales,
-    )
 
 
 class KVTier:
@@ -212,7 +181,7 @@ class KVTier:
         self.store = store
         self.manager = manager
         self.cache = cache
-        self.lanes = _lanes(model_id, manager, cache, fingerprint)
+        self.lanes = lanes_of(model_id, manager, cache, fingerprint)
         self.spec = self.lanes[0].spec
         self.namespace = self.lanes[0].namespace
         self.timeout = timeout
@@ -309,7 +278,7 @@ class KVTier:
                     self._queue.append(batch)
                     self._cond.notify_all()
 
-    def _read(self, lane: _Lane, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
+    def _read(self, lane: Lane, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
         """Enqueue the copy of `block_ids` into values with room for their headers."""
         c, n = lane.cache, len(hashes)
         buffer = self._buffers.take(n)
@@ -484,7 +453,7 @@ class KVTier:
             self._count_failure(e)
             return 0
 
-    def _load(self, lane: _Lane, hashes: list[int], block_ids: npt.NDArray[Any]) -> int:
+    def _load(self, lane: Lane, hashes: list[int], block_ids: npt.NDArray[Any]) -> int:
         """Fetch `hashes` into `block_ids`; the length of the valid consecutive run written.
 
         Chunks of `load_chunk_blocks` are fetched one ahead: the next chunk is on the wire
@@ -536,46 +505,6 @@ class KVTier:
                 self._count(corrupt_blocks=1)
                 break
         return payloads
-
-
-def cache_block_size(cache: KVCache | GroupedKVCache) -> int:
-    """Token slots per block of a cache or a grouped cache's pool."""
-    return cache.pool.block_size if isinstance(cache, GroupedKVCache) else cache.block_size
-
-
-def _lanes(
-    model_id: str,
-    manager: BlockManager | HybridManager,
-    cache: KVCache | GroupedKVCache,
-    fingerprint: str,
-) -> list[_Lane]:
-    """One lane per KV-cache group (one for a plain manager, keyed as it always was)."""
-    if not isinstance(manager, HybridManager):
-        if not isinstance(cache, KVCache):
-            raise ValueError("a BlockManager's tier takes a KVCache")
-        spec = block_spec(cache)
-        return [_Lane(cache, spec, Namespace(model_id, spec, fingerprint), Attention.full())]
-    if manager.has_state:
-        raise ValueError(
-            "an external KV tier does not serve a HybridManager with a state group: recurrent "
-            "states are not stored externally"
-        )
-    if not manager.block_feed:
-        raise ValueError(
-            "an external KV tier needs a HybridManager built with block_feed=True (it saves "
-            "every group's blocks from its registrations)"
-        )
-    if not isinstance(cache, GroupedKVCache) or list(cache.groups.attention) != manager.groups:
-        raise ValueError("a HybridManager's tier takes the GroupedKVCache of the same groups")
-    lanes = []
-    for g, attention in enumerate(manager.groups):
-        group_cache = cache.group_cache(g)
-        spec = block_spec(group_cache)
-        key = GroupKey(g, repr(attention), cache.groups.layers[g])
-        lanes.append(
-            _Lane(group_cache, spec, Namespace(model_id, spec, fingerprint, key), attention)
-        )
-    return lanes
 
 
 def _block_of(ev: BlockEvent | GroupRegistration) -> tuple[int, int] | None:
