@@ -186,6 +186,11 @@ struct Seen {
     shortened_hits: u64,
     /// Plans and rollbacks refused because they would read released blocks.
     window_refusals: u64,
+    /// Confirmed loads that extended a hit through a window group handed out only the blocks
+    /// its next query reads, and loads whose hit a window group's short run shortened (the
+    /// groups loading from the hit alone would have served more).
+    window_loads: u64,
+    window_short_loads: u64,
     /// State group: admissions and forks refused for want of a slot, calls refused because
     /// a state cannot move or roll back, admissions that set a branch point, forks of a
     /// parent whose own copy was still queued, frees that left a DRAINING slot, and rows
@@ -1211,6 +1216,17 @@ impl Model {
                 })
             })
             .expect("model: the hit is served");
+        let from_hit = (k..=k + m)
+            .rev()
+            .find(|&upto| {
+                (self.groups())
+                    .filter(|&g| runs[g].0 == k)
+                    .all(|g| upto <= k + runs[g].1)
+            })
+            .expect("model: the hit is served");
+        let windowed = runs.iter().any(|&(start, _)| start > k);
+        self.seen.window_loads += u64::from(windowed && upto > k);
+        self.seen.window_short_loads += u64::from(windowed && from_hit > upto);
         self.seqs.get_mut(&seq).unwrap().loading = None;
         let tokens = upto * self.bs;
         for g in self.groups() {
@@ -3630,6 +3646,8 @@ struct Summary {
     window_hits: AtomicU64,
     shortened_hits: AtomicU64,
     window_refusals: AtomicU64,
+    window_loads: AtomicU64,
+    window_short_loads: AtomicU64,
     /// Cases with a sliding window within a block, one wider than a block, a chunk, and both
     /// a chunk and a sliding window.
     narrow_window_cases: AtomicU64,
@@ -3698,6 +3716,8 @@ impl Summary {
             (&self.window_hits, seen.window_hits),
             (&self.shortened_hits, seen.shortened_hits),
             (&self.window_refusals, seen.window_refusals),
+            (&self.window_loads, seen.window_loads),
+            (&self.window_short_loads, seen.window_short_loads),
             (&self.narrow_window_cases, narrow),
             (&self.wide_window_cases, wide),
             (&self.chunk_cases, chunk),
@@ -3816,6 +3836,10 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>, kind: Kind) {
                 &summary.wide_window_cases,
             ),
             ("chunked-local attention", &summary.chunk_cases),
+            (
+                "loads of only the blocks a window's next query reads",
+                &summary.window_loads,
+            ),
         ]);
     } else {
         assert_eq!(
@@ -3826,6 +3850,10 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>, kind: Kind) {
     }
     if kind == Kind::Hybrid {
         scenarios.push(("hits a group shortened", &summary.shortened_hits));
+        scenarios.push((
+            "loads a window group's short run shortened",
+            &summary.window_short_loads,
+        ));
         scenarios.push((
             "chunked and sliding-window groups together",
             &summary.chunk_and_window_cases,
