@@ -1184,10 +1184,10 @@ impl Model {
     /// `confirm_loads` (`each`: `loaded[0]` for every group) and `confirm_group_loads` (a
     /// count per group).
     fn confirm_loads(&mut self, seq: SeqId, loaded: &[usize], each: bool) -> Expect<()> {
+        self.no_state()?;
         if !each && loaded.len() != self.attention.len() {
             return Err(vec![invalid()]);
         }
-        self.no_state()?;
         let Some(s) = self.seqs.get(&seq) else {
             return Err(vec![Error::UnknownSequence(seq)]);
         };

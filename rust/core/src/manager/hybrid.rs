@@ -237,6 +237,7 @@ impl HybridManager {
     /// handed out to load (all of them, where it was handed fewer) hold their KV. See
     /// [`HybridManager::confirm_group_loads`].
     pub fn confirm_loads(&self, seq: SeqId, loaded: usize) -> Result<(), Error> {
+        self.no_state("confirm_loads")?;
         self.confirm_runs(seq, Runs::Each(loaded))
     }
 
@@ -806,6 +807,7 @@ impl HybridManager {
     /// `allocate_loading` hold their KV. The hit grows to the longest every group serves
     /// (a short run in one group shortens it for all); the rest is recomputed.
     pub fn confirm_group_loads(&self, seq: SeqId, loaded: &[usize]) -> Result<(), Error> {
+        self.no_state("confirm_group_loads")?;
         if loaded.len() != self.groups.len() {
             return Err(invalid(format!(
                 "loaded: one count per group ({}), not {}",
@@ -842,7 +844,6 @@ impl HybridManager {
     /// Checks every group's loads and run, then ends them with the longest hit every group
     /// serves.
     fn confirm_runs(&self, seq: SeqId, runs: Runs<'_>) -> Result<(), Error> {
-        self.no_state("confirm_loads")?;
         let _held = lock(&self.lock);
         let mut pending = Vec::with_capacity(self.groups.len());
         for (g, group) in self.groups.iter().enumerate() {
