@@ -373,11 +373,12 @@ class KVTier:
             wanted = group_hashes[end - len(ids) : end]
             runs.append(self._load(lane, wanted, np.asarray(ids)) if len(ids) else 0)
         self._confirm(seq_id, runs)
+        # Each group loaded what a query at the new hit reads past the old one.
         upto = mgr.num_computed(seq_id) // bs
-        served = [max(0, upto - lane.reads_from(hit, upto, bs)) for lane in self.lanes]
-        self._count_hits(served if upto > hit else [0] * len(self.lanes))
-        for g, (lane, group_hashes) in enumerate(zip(self.lanes, hashes, strict=True)):
-            for h in group_hashes[lane.reads_from(hit, upto, bs) : upto]:
+        firsts = [lane.reads_from(hit, upto, bs) for lane in self.lanes]
+        self._count_hits([upto - first for first in firsts])
+        for g, (first, group_hashes) in enumerate(zip(firsts, hashes, strict=True)):
+            for h in group_hashes[first:upto]:
                 self._remember(g, h)  # already in the store: never saved back
         return mgr.num_computed(seq_id)
 
