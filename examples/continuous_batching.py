@@ -60,7 +60,7 @@ from transformers import (
 )
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
-from pagedkv import BlockManager, HybridManager, OutOfBlocks, Plan
+from pagedkv import BlockManager, Event, HybridManager, OutOfBlocks, Plan, Registration
 from pagedkv.attention import BackendName, PagedAttention
 from pagedkv.grouped_cache import GroupedKVCache
 from pagedkv.kv_cache import KVCache
@@ -524,6 +524,7 @@ class _Engine:
                 self.gpu.groups.attention,
                 num_cpu_blocks=num_cpu_blocks,
                 hash_key=hash_key,
+                block_feed=store is not None,  # the tier saves every group's blocks
             )
             pool = self.gpu.pool
             self.cpu = GroupedKVCache(
@@ -561,11 +562,7 @@ class _Engine:
         self.num_groups = self.mgr.num_groups if isinstance(self.mgr, HybridManager) else 1
         self.speculate = speculate
         self.drafter = drafter if speculate else None
-        self.tier = (
-            KVTier(store, model_id, self.mgr, self.gpu)  # type: ignore[arg-type]
-            if store is not None
-            else None
-        )
+        self.tier = KVTier(store, model_id, self.mgr, self.gpu) if store is not None else None
         self.device = device
         self.block_size = block_size
         self.requests = list(requests)
@@ -577,6 +574,13 @@ class _Engine:
         self.result = GenerationResult(
             tokens=[[[] for _ in range(r.num_samples)] for r in requests]
         )
+
+    def _computed_blocks(self) -> list[Event] | list[Registration]:
+        """What the tier saves from: a hybrid manager's every group's registrations, else the
+        events."""
+        if isinstance(self.mgr, HybridManager):
+            return self.mgr.take_registrations()
+        return self.mgr.take_events()
 
     def _new_id(self) -> int:
         self.next_id += 1
@@ -719,7 +723,7 @@ class _Engine:
             rows += range(end - q, end) if not seq.prefilling else [end - 1]
         greedy = iter(_forward(self.runner, plan, tokens, rows, self.device))
         if self.tier is not None:  # save the blocks this step's commit made computed
-            self.tier.offer(self.mgr.take_events())
+            self.tier.offer(self._computed_blocks())
 
         self.result.steps += 1
         self.result.max_batch_size = max(self.result.max_batch_size, len(batch))
@@ -811,7 +815,7 @@ class _Engine:
             self.step(step)
             step += 1
         if self.tier is not None:
-            self.tier.offer(self.mgr.take_events())
+            self.tier.offer(self._computed_blocks())
             self.tier.close()
             self.result.tier = self.tier.stats()
         self.mgr.check()
@@ -844,8 +848,8 @@ def generate(
 
     `kv_dtype` (default: the model's dtype) and `kv_scales` (per layer, for float8) pick the
     cache's dtype; a DeepSeek-V3 model gets an MLA cache. A hybrid model (`HybridModel`) runs
-    on a `HybridManager` over a `GroupedKVCache` in its own dtype, without a `store` or a
-    `draft_model` (prompt lookup drafts for it).
+    on a `HybridManager` over a `GroupedKVCache` in its own dtype, without a `draft_model`
+    (prompt lookup drafts for it); a `store` then saves and loads every group's blocks.
 
     `prefill_chunk` caps the prompt tokens a sequence brings to one step (prefix-cache hits are
     then looked up within its first chunk). `device` defaults to the model's. With a `store`,
@@ -861,8 +865,8 @@ def generate(
             raise ValueError(
                 f"a request needs a prompt, max_new_tokens >= 1 and num_samples >= 1: {req}"
             )
-    if isinstance(model, HybridModel) and (store is not None or draft_model is not None):
-        raise ValueError("a hybrid model runs without a store or a draft model")
+    if isinstance(model, HybridModel) and draft_model is not None:
+        raise ValueError("a hybrid model runs without a draft model")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     drafter: Drafter = (
         NgramDrafter()
@@ -1083,6 +1087,7 @@ def _main() -> None:
         backend=args.backend,
         block_size=4,  # the hybrid models' windows are 8 tokens
         store=store,
+        model_id=f"tiny-{args.model}",  # each model's blocks in a key space of its own
         hash_key=bytes.fromhex(args.hash_key),
         kv_dtype=kv_dtype,
         speculate=args.speculate,

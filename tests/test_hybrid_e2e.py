@@ -4,7 +4,8 @@ Small seeded random Gemma 3, gpt-oss and Llama 4 text models (no download; windo
 of 8 tokens, blocks of 4) run their own weights through `HybridManager` + `GroupedKVCache` +
 one `PagedAttention` per group in `examples/continuous_batching.py`, with continuous batching,
 prompts up to 4 windows long, prefix hits, forks and swaps; greedy tokens must equal
-`transformers`' greedy `generate` (eager attention) for every prompt and sample.
+`transformers`' greedy `generate` (eager attention) for every prompt and sample. Two engines
+sharing an external KV store (in-process, and Redis) load every group's blocks of a prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from redis_server import RedisServer
 from test_llama_e2e import cb, check_tokens, greedy_reference
+
+from pagedkv.tier import MemoryStore, Store
+from pagedkv.tier.redis_store import RedisStore
 
 FAMILIES = {"gemma3": cb.tiny_gemma3, "gpt-oss": cb.tiny_gpt_oss, "llama4": cb.tiny_llama4}
 SHARED = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]  # 4 blocks and 1
@@ -63,6 +68,34 @@ def test_preemption_by_swap_keeps_tokens_exact(name: str) -> None:
     assert result.swapped_out_blocks > 0
     assert result.prefix_hit_tokens == 8  # within the first 12-token chunk
     assert result.window_released_blocks > 0
+
+
+def share_through(store: Store, name: str) -> None:
+    """Machine A computes a prompt four windows long and saves every group's blocks to `store`;
+    machine B, with an empty GPU pool, loads the prefix from it and must generate the same
+    tokens."""
+    model, _ = family(name)
+    prompt = [*SHARED, *range(100, 113)]  # 30 tokens: 7 blocks a hit may cover
+    expected = [greedy_reference(model, prompt, 8)]
+    kw: dict[str, Any] = {"block_size": 4, "num_blocks": 96, "backend": "torch"}
+    kw |= {"store": store, "model_id": name, "hash_key": bytes(range(32))}
+    a = cb.generate(model, [cb.Request(prompt, 8)], **kw)
+    check_tokens(a, expected)
+    assert a.tier.saved_blocks > 0 and a.tier.hit_blocks == 0
+    b = cb.generate(model, [cb.Request(prompt, 8)], **kw)
+    check_tokens(b, expected)
+    assert b.prefix_hit_tokens == 7 * 4  # all loaded: B's pool started empty
+    assert all(blocks > 0 for blocks in b.tier.group_hit_blocks), b.tier
+    assert b.tier.corrupt_blocks == b.tier.errors == 0
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_two_machines_share_every_groups_blocks_through_a_store(name: str) -> None:
+    share_through(MemoryStore(), name)
+
+
+def test_two_machines_share_a_hybrid_prefix_through_redis(redis_server: RedisServer) -> None:
+    share_through(RedisStore(redis_server.url), "gemma3")
 
 
 @pytest.mark.slow  # about 15 s each in Triton's interpreter

@@ -28,7 +28,7 @@ from pagedkv import BlockManager
 from pagedkv.kv_cache import KVCache
 from pagedkv.tier import KVTier, Namespace
 from pagedkv.tier.codec import HEADER_SIZE
-from pagedkv.tier.offload import block_spec
+from pagedkv.tier.lanes import block_spec
 from pagedkv.tier.redis_store import RedisStore
 
 TESTS = Path(__file__).resolve().parent

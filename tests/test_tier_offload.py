@@ -17,11 +17,12 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from pagedkv import Attention, HybridManager
+from pagedkv import Attention
 from pagedkv.kv_cache import KVCache
 from pagedkv.tier import KVTier, MemoryStore, Namespace, StoreError, StoreTimeout, TierStats
 from pagedkv.tier.codec import HEADER_SIZE
-from pagedkv.tier.offload import _HostBuffers, block_spec
+from pagedkv.tier.lanes import block_spec
+from pagedkv.tier.offload import _HostBuffers
 
 BS = 4
 TOKENS = list(range(100, 121))  # 21 tokens: 5 full blocks, all hittable
@@ -31,6 +32,7 @@ class StandInManager:
     """External-admission calls of `BlockManager` for one sequence, per the API contract."""
 
     block_size = BS
+    attention = Attention.full()
 
     def __init__(self, cached_blocks: int = 0, fingerprint: str = "0123456789abcdef") -> None:
         self.hash_key_fingerprint = fingerprint
@@ -529,10 +531,3 @@ def test_tier_rejects_bad_settings() -> None:
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), save_batch_blocks=0)
     with pytest.raises(ValueError, match="load_chunk_blocks"):
         KVTier(MemoryStore(), "m", StandInManager(), make_cache(), load_chunk_blocks=0)
-
-
-def test_a_hybrid_manager_is_refused_by_name() -> None:
-    mgr = HybridManager(32, 4, [Attention.full(), Attention.sliding_window(8)])
-    cache = KVCache(1, 32, 4, 1, 2, dtype=torch.float32)
-    with pytest.raises(ValueError, match="HybridManager"):
-        KVTier(MemoryStore(), "m", mgr, cache)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """An external KV tier: computed blocks outlive the GPU pool and are shared across machines.
 
 `KVTier` saves each computed block to a `Store` in the background and, at admission, loads the
-blocks of a prompt that the store holds. `RedisStore` speaks to Redis (or Valkey, or any server
+blocks of a prompt that the store holds; for a hybrid model, every KV-cache group's blocks, each
+group in a key space of its own (`GroupKey`). `RedisStore` speaks to Redis (or Valkey, or any server
 of its protocol; needs `pagedkv[redis]`); `MemoryStore` is an in-process store for tests.
 `KVTier` needs torch, `RedisStore` redis-py; both are imported on first use.
 """
@@ -9,7 +10,7 @@ of its protocol; needs `pagedkv[redis]`); `MemoryStore` is an in-process store f
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.tier.codec import BlockSpec, CorruptValue
-from pagedkv.tier.namespace import Namespace
+from pagedkv.tier.namespace import GroupKey, Namespace
 from pagedkv.tier.store import MemoryStore, Store, StoreError, StoreTimeout
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BlockSpec",
     "CorruptValue",
+    "GroupKey",
     "KVTier",
     "MemoryStore",
     "Namespace",

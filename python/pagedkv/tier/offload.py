@@ -12,6 +12,16 @@ those blocks to be loaded, fetches them in one call, writes the valid consecutiv
 fresh GPU blocks and confirms them. Anything that goes wrong with the store (down, timeout,
 missing, short or corrupt value) leaves the affected blocks to be recomputed by the normal
 prefill, and is counted in `stats()`; it never raises into the engine.
+
+Hybrid models: with a `HybridManager` (built with `block_feed=True`) and a `GroupedKVCache`,
+every KV-cache group is a lane with its own key space (`GroupKey`). The engine hands `offer`
+the manager's `take_registrations()` (every group's newly registered blocks with their hash in
+the group's chain; the router events announce group 0 alone). At admission the full-attention
+groups' blocks past the GPU hit are looked up in one call, then the blocks the window groups'
+next query reads at the end of that run, in a second; each group loads its own blocks, and
+`confirm_loads` keeps the longest hit every group serves (a short run in one group shortens
+it for all; the rest is recomputed). Recurrent states are not stored: a manager with a state
+group is refused.
 """
 
 from __future__ import annotations
@@ -29,9 +39,10 @@ import numpy.typing as npt
 import torch
 
 from pagedkv._core import BlockManager, HybridManager
+from pagedkv.grouped_cache import GroupedKVCache
 from pagedkv.kv_cache import HostBlocks, KVCache
 from pagedkv.tier.codec import HEADER_SIZE, BlockSpec, CorruptValue, decode, encode_into
-from pagedkv.tier.namespace import Namespace
+from pagedkv.tier.lanes import Lane, cache_block_size, lanes_of
 from pagedkv.tier.store import Store, StoreError, StoreTimeout
 
 
@@ -48,12 +59,25 @@ class BlockEvent(Protocol):
     def block_id(self) -> int | None: ...
 
 
+class GroupRegistration(Protocol):
+    """The fields of a `HybridManager.take_registrations()` entry the tier reads."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def group(self) -> int | None: ...
+    @property
+    def block_hash(self) -> int | None: ...
+    @property
+    def block_id(self) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class TierStats:
     """What the tier did so far. Misses include corrupt blocks and failed lookups."""
 
     lookup_blocks: int = 0  # blocks after the GPU prefix hit asked of the store
-    hit_blocks: int = 0  # blocks loaded from the store and confirmed
+    hit_blocks: int = 0  # blocks loaded from the store and confirmed (all groups)
     corrupt_blocks: int = 0  # values rejected (header, length or checksum)
     timeouts: int = 0  # store calls that ran out of time
     errors: int = 0  # store calls that failed otherwise
@@ -61,6 +85,7 @@ class TierStats:
     saved_blocks: int = 0  # blocks the store accepted
     dropped_blocks: int = 0  # blocks not saved because the save queue was full
     failed_saves: int = 0  # blocks whose put failed
+    group_hit_blocks: tuple[int, ...] = ()  # `hit_blocks` per KV-cache group
 
     @property
     def miss_blocks(self) -> int:
@@ -70,6 +95,7 @@ class TierStats:
 
 @dataclass
 class _SaveBatch:
+    lane: Lane
     hashes: list[int]
     buffer: torch.Tensor  # from `_HostBuffers`, given back once the batch is saved or failed
     values: torch.Tensor  # uint8 [n, HEADER_SIZE + payload] rows of `buffer`
@@ -104,27 +130,13 @@ class _HostBuffers:
                 self._idle.append(buffer)
 
 
-def block_spec(cache: KVCache) -> BlockSpec:
-    """The `BlockSpec` of one block of `cache`: its shape, dtype, layout and scales."""
-    dtype = str(cache.dtype).removeprefix("torch.")
-    scales = tuple(s for layer in range(cache.num_layers) if (s := cache.scales(layer)))
-    return BlockSpec(
-        cache.num_layers,
-        cache.block_size,
-        cache.num_kv_heads,
-        cache.head_dim,
-        dtype,
-        cache.layout,
-        cache.rope_dim,
-        scales,
-    )
-
-
 class KVTier:
     """Saves computed blocks of `cache` to `store` and loads prompts' blocks from it.
 
-    `model_id` names the weights (blocks are shared only between engines with equal model id,
-    KV shape, dtype and hash key). `timeout` bounds each admission lookup and load (seconds),
+    `manager` is a `BlockManager` with a `KVCache`, or a `HybridManager` built with
+    `block_feed=True` (no state group) with the `GroupedKVCache` of its groups. `model_id`
+    names the weights (blocks are shared only between engines with equal model id, KV shape,
+    dtype, groups and hash key). `timeout` bounds each admission lookup and load (seconds),
     `save_timeout` each background put; `save_threads` threads encode and put concurrently, so
     one batch's checksum overlaps another's network transfer. An offer is put in batches of at
     most `save_batch_blocks`, so the first leaves while the rest are copied; the host buffers
@@ -138,8 +150,8 @@ class KVTier:
         self,
         store: Store,
         model_id: str,
-        manager: BlockManager,
-        cache: KVCache,
+        manager: BlockManager | HybridManager,
+        cache: KVCache | GroupedKVCache,
         *,
         timeout: float = 1.0,
         save_timeout: float = 5.0,
@@ -149,14 +161,10 @@ class KVTier:
         save_batch_blocks: int = 8,
         load_chunk_blocks: int = 16,
     ) -> None:
-        if isinstance(manager, HybridManager):
+        if manager.block_size != cache_block_size(cache):
             raise ValueError(
-                "an external KV tier takes a pagedkv.BlockManager, not a HybridManager "
-                "(KV-cache groups and state groups are not stored externally yet)"
-            )
-        if manager.block_size != cache.block_size:
-            raise ValueError(
-                f"manager block size {manager.block_size} != cache block size {cache.block_size}"
+                f"manager block size {manager.block_size} != cache block size "
+                f"{cache_block_size(cache)}"
             )
         fingerprint = manager.hash_key_fingerprint
         if fingerprint is None:
@@ -173,8 +181,9 @@ class KVTier:
         self.store = store
         self.manager = manager
         self.cache = cache
-        self.spec = block_spec(cache)
-        self.namespace = Namespace(model_id, self.spec, fingerprint)
+        self.lanes = lanes_of(model_id, manager, cache, fingerprint)
+        self.spec = self.lanes[0].spec
+        self.namespace = self.lanes[0].namespace
         self.timeout = timeout
         self.save_timeout = save_timeout
         self.max_pending_blocks = max_pending_blocks
@@ -182,13 +191,13 @@ class KVTier:
         self.save_batch_blocks = save_batch_blocks
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-loader")
         self._dedup_capacity = dedup_capacity
-        self._offered: OrderedDict[int, None] = OrderedDict()  # engine thread only
-        self._stats = TierStats()
+        self._offered: OrderedDict[tuple[int, int], None] = OrderedDict()  # engine thread only
+        self._stats = TierStats(group_hit_blocks=(0,) * len(self.lanes))
         self._stats_lock = threading.Lock()
         self._queue: deque[_SaveBatch] = deque()
         self._buffers = _HostBuffers(
             HEADER_SIZE + self.spec.payload_size,
-            cache.device.type == "cuda",
+            self.lanes[0].cache.device.type == "cuda",
             keep_rows=max_pending_blocks,
         )
         self._pending = 0  # blocks queued or being saved
@@ -213,29 +222,38 @@ class KVTier:
             s = self._stats
             self._stats = replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
 
+    def _count_hits(self, per_group: Sequence[int]) -> None:
+        with self._stats_lock:
+            s = self._stats
+            groups = tuple(a + b for a, b in zip(s.group_hit_blocks, per_group, strict=True))
+            self._stats = replace(
+                s, hit_blocks=s.hit_blocks + sum(per_group), group_hit_blocks=groups
+            )
+
     def _count_failure(self, err: Exception) -> None:
         self._count(**{"timeouts" if isinstance(err, StoreTimeout) else "errors": 1})
 
     # ---- write path
 
-    def offer(self, events: Iterable[BlockEvent]) -> None:
+    def offer(self, events: Iterable[BlockEvent] | Iterable[GroupRegistration]) -> None:
         """Queue the newly computed GPU blocks among `events` for saving.
 
-        Pass every batch of `BlockManager.take_events()` as taken, before the next forward pass
-        is enqueued: a block stored and then removed within one batch may hold other KV by now,
-        so it is skipped.
+        Pass every batch of `BlockManager.take_events()` (of `HybridManager.take_registrations()`
+        for a hybrid manager) as taken, before the next forward pass is enqueued: a block stored
+        and then removed within one batch may hold other KV by now, so it is skipped.
         """
-        stored: dict[int, int] = {}  # block id -> hash, in event order
+        stored: dict[tuple[int, int], int] = {}  # (group, block id) -> hash, in event order
         for ev in events:
+            where = _block_of(ev)
             if ev.kind == "cleared":
                 stored.clear()
-            elif ev.medium != "GPU" or ev.block_id is None:
+            elif where is None:
                 continue
             elif ev.kind == "removed":
-                stored.pop(ev.block_id, None)
+                stored.pop(where, None)
             elif ev.kind == "stored" and ev.block_hash is not None:
-                stored[ev.block_id] = ev.block_hash
-        fresh = [(b, h) for b, h in stored.items() if h not in self._offered]
+                stored[where] = ev.block_hash
+        fresh = [(g, b, h) for (g, b), h in stored.items() if (g, h) not in self._offered]
         if not fresh:
             return
         with self._cond:
@@ -246,29 +264,31 @@ class KVTier:
             self._count(dropped_blocks=len(fresh) - len(taken))
         if not taken:
             return
-        for _, h in taken:
-            self._remember(h)
+        for g, _, h in taken:
+            self._remember(g, h)
         self._count(offered_blocks=len(taken))
-        # Puts of at most `save_batch_blocks`: the first leaves while the rest are copied.
-        for lo in range(0, len(taken), self.save_batch_blocks):
-            part = taken[lo : lo + self.save_batch_blocks]
-            ids = np.fromiter((b for b, _ in part), dtype=np.int64, count=len(part))
-            batch = self._read(ids, [h for _, h in part])
-            with self._cond:
-                self._queue.append(batch)
-                self._cond.notify_all()
+        for g, lane in enumerate(self.lanes):
+            mine = [(b, h) for group, b, h in taken if group == g]
+            # Puts of at most `save_batch_blocks`: the first leaves while the rest are copied.
+            for lo in range(0, len(mine), self.save_batch_blocks):
+                part = mine[lo : lo + self.save_batch_blocks]
+                ids = np.fromiter((b for b, _ in part), dtype=np.int64, count=len(part))
+                batch = self._read(lane, ids, [h for _, h in part])
+                with self._cond:
+                    self._queue.append(batch)
+                    self._cond.notify_all()
 
-    def _read(self, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
+    def _read(self, lane: Lane, block_ids: npt.NDArray[np.int64], hashes: list[int]) -> _SaveBatch:
         """Enqueue the copy of `block_ids` into values with room for their headers."""
-        c, n = self.cache, len(hashes)
+        c, n = lane.cache, len(hashes)
         buffer = self._buffers.take(n)
         values = buffer[:n]
         shape = (n, c.num_layers, *c.page_shape)
         blocks = values[:, HEADER_SIZE:].view(c.dtype).view(shape)
-        return _SaveBatch(hashes, buffer, values, c.read_blocks(block_ids, out=blocks))
+        return _SaveBatch(lane, hashes, buffer, values, c.read_blocks(block_ids, out=blocks))
 
-    def _remember(self, block_hash: int) -> None:
-        self._offered[block_hash] = None
+    def _remember(self, group: int, block_hash: int) -> None:
+        self._offered[group, block_hash] = None
         if len(self._offered) > self._dedup_capacity:
             self._offered.popitem(last=False)
 
@@ -289,14 +309,14 @@ class KVTier:
                     self._cond.notify_all()
 
     def _save(self, batch: _SaveBatch) -> None:
-        n = len(batch.hashes)
+        n, lane = len(batch.hashes), batch.lane
         try:
             batch.blocks.ready()
             values = [row.data for row in batch.values.numpy()]
             for h, value in zip(batch.hashes, values, strict=True):
-                encode_into(self.spec, h, value)
+                encode_into(lane.spec, h, value)
             self.store.put_many(
-                list(zip(self.namespace.keys(batch.hashes), values, strict=True)),
+                list(zip(lane.namespace.keys(batch.hashes), values, strict=True)),
                 self.save_timeout,
             )
         except Exception as e:  # a failed save only costs a later recomputation
@@ -330,47 +350,117 @@ class KVTier:
     def admit(
         self, seq_id: int, token_ids: Sequence[int], *, salt: bytes | str | None = None
     ) -> int:
-        """Admit a new sequence like `BlockManager.allocate`, loading what the store holds.
+        """Admit a new sequence like `allocate`, loading what the store holds.
 
         Returns the prompt tokens whose KV is computed (GPU prefix hit plus loaded blocks); the
         engine prefills the rest. Manager errors (`OutOfBlocks`, bad input) propagate as from
         `allocate`; store faults only shorten the loaded run.
         """
-        mgr = self.manager
+        mgr, bs = self.manager, self.manager.block_size
         tokens = list(token_ids)
-        hashes = mgr.block_hashes(tokens, salt=salt)
+        hashes = self._hashes(tokens, salt)
         # A full-prompt hit must still leave its last token to compute.
-        hittable = min(len(hashes), (len(tokens) - 1) // mgr.block_size)
+        hittable = min(len(hashes[0]), (len(tokens) - 1) // bs)
         k = mgr.cached_prefix_blocks(tokens, salt=salt)
-        found = self._lookup(hashes[k:hittable])
-        reused, load_ids = mgr.allocate_loading(seq_id, tokens, k + found, salt=salt)
-        if len(load_ids):
-            first = reused // mgr.block_size
-            wanted = hashes[first : first + len(load_ids)]
-            loaded = self._load(wanted, np.asarray(load_ids))
-            mgr.confirm_loads(seq_id, loaded)
-            for h in wanted[:loaded]:  # already in the store: never saved back
-                self._remember(h)
+        end = self._lookup(hashes, k, hittable)
+        reused, load_ids = self._allocate_loading(seq_id, tokens, end, salt)
+        hit = reused // bs
+        end = max(hit, min(end, hittable))
+        if end == hit:
+            return mgr.num_computed(seq_id)
+        runs = []
+        for lane, ids, group_hashes in zip(self.lanes, load_ids, hashes, strict=True):
+            wanted = group_hashes[end - len(ids) : end]
+            runs.append(self._load(lane, wanted, np.asarray(ids)) if len(ids) else 0)
+        self._confirm(seq_id, runs)
+        # Each group loaded what a query at the new hit reads past the old one.
+        upto = mgr.num_computed(seq_id) // bs
+        firsts = [lane.reads_from(hit, upto, bs) for lane in self.lanes]
+        self._count_hits([upto - first for first in firsts])
+        for g, (first, group_hashes) in enumerate(zip(firsts, hashes, strict=True)):
+            for h in group_hashes[first:upto]:
+                self._remember(g, h)  # already in the store: never saved back
         return mgr.num_computed(seq_id)
 
-    def _lookup(self, hashes: list[int]) -> int:
-        """How many of `hashes`, from the first, the store holds (0 when it fails)."""
-        if not hashes:
+    def _hashes(self, tokens: list[int], salt: bytes | str | None) -> list[list[int]]:
+        """Each group's chain hashes over the prompt's full blocks."""
+        mgr = self.manager
+        if isinstance(mgr, HybridManager):
+            return [mgr.block_hashes(tokens, salt=salt, group=g) for g in range(len(self.lanes))]
+        return [mgr.block_hashes(tokens, salt=salt)]
+
+    def _allocate_loading(
+        self, seq_id: int, tokens: list[int], end: int, salt: bytes | str | None
+    ) -> tuple[int, list[npt.NDArray[np.int32]]]:
+        mgr = self.manager
+        if isinstance(mgr, HybridManager):
+            return mgr.allocate_loading(seq_id, tokens, end, salt=salt)
+        reused, ids = mgr.allocate_loading(seq_id, tokens, end, salt=salt)
+        return reused, [ids]
+
+    def _confirm(self, seq_id: int, runs: list[int]) -> None:
+        mgr = self.manager
+        if isinstance(mgr, HybridManager):
+            mgr.confirm_loads(seq_id, runs)
+        else:
+            mgr.confirm_loads(seq_id, runs[0])
+
+    def _lookup(self, hashes: list[list[int]], hit: int, hittable: int) -> int:
+        """The end (in blocks) of the longest hit past `hit` the store can serve in every group
+        (`hit` when it fails): the full-attention groups' blocks from the hit on in one call,
+        then the window groups' blocks a query at that end reads in another."""
+        if hittable <= hit:
+            return hit
+        bs = self.manager.block_size
+        full = [g for g, lane in enumerate(self.lanes) if lane.attention.kind == "full"]
+        end = hittable
+        if full:
+            per_block = [self.lanes[g].namespace.keys(hashes[g][hit:hittable]) for g in full]
+            keys = [key for block in zip(*per_block, strict=True) for key in block]
+            end = hit + self._exists(keys) // len(full)
+        windows = [g for g in range(len(self.lanes)) if g not in full]
+        if not windows or end == hit:
+            return end
+        starts = [self.lanes[g].reads_from(hit, end, bs) for g in windows]
+        keys = [
+            key
+            for g, start in zip(windows, starts, strict=True)
+            for key in self.lanes[g].namespace.keys(hashes[g][start:end])
+        ]
+        present = self._exists(keys)  # a leading run over the groups' blocks, in order
+        runs = []
+        for start in starts:
+            runs.append(min(present, end - start))
+            present = max(0, present - (end - start)) if runs[-1] == end - start else 0
+        lanes = [self.lanes[g] for g in windows]
+        return max(
+            h
+            for h in range(hit, end + 1)
+            if h == hit
+            or all(
+                h <= start + run and lane.reads_from(hit, h, bs) >= start
+                for lane, start, run in zip(lanes, starts, runs, strict=True)
+            )
+        )
+
+    def _exists(self, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, the store holds (0 when it fails)."""
+        if not keys:
             return 0
-        self._count(lookup_blocks=len(hashes))
+        self._count(lookup_blocks=len(keys))
         try:
-            return self.store.exists_prefix(self.namespace.keys(hashes), self.timeout)
+            return self.store.exists_prefix(keys, self.timeout)
         except StoreError as e:
             self._count_failure(e)
             return 0
 
-    def _load(self, hashes: list[int], block_ids: npt.NDArray[Any]) -> int:
+    def _load(self, lane: Lane, hashes: list[int], block_ids: npt.NDArray[Any]) -> int:
         """Fetch `hashes` into `block_ids`; the length of the valid consecutive run written.
 
         Chunks of `load_chunk_blocks` are fetched one ahead: the next chunk is on the wire
         while this one is checked and copied into the cache.
         """
-        keys = self.namespace.keys(hashes)
+        keys = lane.namespace.keys(hashes)
         chunk = self.load_chunk_blocks
         ahead: Future[list[bytes | None]] | None = None
         ok = 0
@@ -384,8 +474,8 @@ class KVTier:
                     ahead = None
                 if lo + chunk < len(keys):
                     ahead = self._loader.submit(self._get, keys[lo + chunk : lo + 2 * chunk])
-                run = self._valid_run(hashes[lo : lo + len(wanted)], values)
-                self.cache.write_block_bytes(block_ids[ok : ok + len(run)], run)
+                run = self._valid_run(lane.spec, hashes[lo : lo + len(wanted)], values)
+                lane.cache.write_block_bytes(block_ids[ok : ok + len(run)], run)
                 ok += len(run)
                 if len(run) < len(wanted):
                     break
@@ -394,7 +484,6 @@ class KVTier:
         finally:
             if ahead is not None:
                 ahead.cancel()
-        self._count(hit_blocks=ok)
         return ok
 
     def _get(self, keys: list[bytes]) -> list[bytes | None]:
@@ -403,15 +492,27 @@ class KVTier:
             raise StoreError(f"asked for {len(keys)} values, got {len(values)}")
         return values
 
-    def _valid_run(self, hashes: list[int], values: list[bytes | None]) -> list[memoryview]:
+    def _valid_run(
+        self, spec: BlockSpec, hashes: list[int], values: list[bytes | None]
+    ) -> list[memoryview]:
         """The payloads of the leading run of `values` that are present and valid."""
         payloads: list[memoryview] = []
         for h, value in zip(hashes, values, strict=True):
             if value is None:
                 break
             try:
-                payloads.append(decode(self.spec, h, value))
+                payloads.append(decode(spec, h, value))
             except CorruptValue:
                 self._count(corrupt_blocks=1)
                 break
         return payloads
+
+
+def _block_of(ev: BlockEvent | GroupRegistration) -> tuple[int, int] | None:
+    """`(group, block id)` of a GPU block an event or registration names, else None."""
+    if ev.block_id is None:
+        return None
+    group = getattr(ev, "group", None)
+    if group is not None:
+        return group, ev.block_id
+    return (0, ev.block_id) if getattr(ev, "medium", "GPU") == "GPU" else None

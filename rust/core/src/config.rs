@@ -21,6 +21,9 @@ pub struct Config {
     pub hash_key: Option<[u8; 32]>,
     /// Record prefix-cache events for `take_events`.
     pub enable_events: bool,
+    /// Record every group's registrations and their removals for `take_registrations` (what
+    /// an external KV tier saves). Groups past 0 then compute their blocks' published hashes.
+    pub enable_block_feed: bool,
     /// A call that names a sequence (`step`, `plan`, `append`, `fork`, `swap_out`) first
     /// commits that sequence's latest plan: right for an engine that runs each forward pass
     /// before its next call. Engines that plan ahead of their forward passes turn it off and
@@ -56,7 +59,8 @@ impl Attention {
 
 impl Config {
     /// `num_blocks` blocks of `block_size` tokens with the defaults: no CPU pool, prefix
-    /// caching on, watermark 0.01, random hash key, no events, auto-commit, full attention.
+    /// caching on, watermark 0.01, random hash key, no events, no block feed, auto-commit,
+    /// full attention.
     pub fn new(num_blocks: u32, block_size: u32) -> Config {
         Config {
             num_blocks,
@@ -66,6 +70,7 @@ impl Config {
             watermark: 0.01,
             hash_key: None,
             enable_events: false,
+            enable_block_feed: false,
             auto_commit: true,
             attention: Attention::Full,
         }

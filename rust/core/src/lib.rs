@@ -64,6 +64,7 @@ mod config;
 mod cpu_tier;
 mod error;
 mod events;
+mod feed;
 mod free_list;
 mod keys;
 mod lru;
@@ -82,6 +83,7 @@ pub use batch::{Batch, TableUpdates};
 pub use config::{Attention, Config};
 pub use error::{Error, PoolKind};
 pub use events::{Event, EventKind};
+pub use feed::Registration;
 pub use keys::{ExtraKey, HashKeys};
 pub use manager::{BlockManager, HybridManager};
 

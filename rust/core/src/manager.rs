@@ -22,6 +22,7 @@ use crate::config::{Attention, Config};
 use crate::cpu_tier::CpuTier;
 use crate::error::invalid;
 use crate::events::{EventKind, EventLog};
+use crate::feed::{BlockFeed, Registration};
 use crate::pool::{BlockPool, Released};
 use crate::prefix::PrefixCache;
 use crate::sequence::{LockedBatch, Place, Sequence, SequenceMap};
@@ -53,17 +54,19 @@ pub struct BlockManager {
     seqs: SequenceMap,
     cpu_tier: CpuTier,
     events: Arc<EventLog>,
+    feed: Arc<BlockFeed>,
     counters: Counters,
     stamps: AtomicU64,
 }
 
-/// What the groups of a [`crate::HybridManager`] share: the pools, the prefix cache and the
-/// event log.
+/// What the groups of a [`crate::HybridManager`] share: the pools, the prefix cache, the
+/// event log and the block feed.
 pub(crate) struct Shared {
     gpu: Arc<BlockPool>,
     cpu: Arc<BlockPool>,
     prefix: Option<Arc<PrefixCache>>,
     events: Arc<EventLog>,
+    feed: Arc<BlockFeed>,
 }
 
 impl BlockManager {
@@ -86,6 +89,7 @@ impl BlockManager {
             seqs: SequenceMap::new(),
             cpu_tier: CpuTier::default(),
             events: Arc::clone(&shared.events),
+            feed: Arc::clone(&shared.feed),
             counters: Counters::default(),
             stamps: AtomicU64::new(0),
             config,
@@ -128,6 +132,7 @@ impl BlockManager {
             events: Arc::new(EventLog::new(
                 config.enable_events && first == Attention::Full,
             )),
+            feed: Arc::new(BlockFeed::new(config.enable_block_feed)),
         })
     }
 
@@ -260,6 +265,17 @@ impl BlockManager {
         let events = self.events.take();
         crate::encode_batch(header, &events, out);
         events.len()
+    }
+
+    /// Removes and returns the recorded registrations (empty unless `enable_block_feed`).
+    pub fn take_registrations(&self) -> Vec<Registration> {
+        self.feed.take()
+    }
+
+    /// Whether this manager computes its blocks' published hashes: group 0's are what events
+    /// carry, and with the block feed every group's are what the feed carries.
+    fn publishes_hashes(&self) -> bool {
+        self.group == 0 || self.feed.enabled()
     }
 
     fn next_stamp(&self) -> u64 {
@@ -439,7 +455,9 @@ impl BlockManager {
         if evicted {
             if let Some(prefix) = &self.prefix {
                 prefix.unregister(block, || {
-                    if prefix.group_of(block) != 0 {
+                    let group = prefix.group_of(block);
+                    self.feed.record(|| Registration::Removed { group, block });
+                    if group != 0 {
                         return;
                     }
                     self.events.record(|| EventKind::BlockRemoved {

@@ -37,8 +37,8 @@ pub type BlockHash = u128;
 /// The full 256-bit BLAKE3 chaining value of a prefix (keys the next block's hash).
 pub(crate) type Chain = [u8; 32];
 
-/// The chaining value of a block of a hybrid manager's group past 0, which publishes no hashes
-/// (its blocks are keyed in the map only).
+/// The chaining value of a block of a hybrid manager's group past 0 without the block feed,
+/// which publishes no hashes (its blocks are keyed in the map only).
 pub(crate) const UNPUBLISHED: Chain = [0; 32];
 
 /// A block's key in the prefix map (never leaves the process).
@@ -149,7 +149,8 @@ pub(crate) struct PromptHashes {
     pub(crate) cached_hits: usize,
     /// The logical block the hits start at (0 but for windowed attention).
     pub(crate) first: usize,
-    /// Whether the chaining values are computed (group 0) or left [`UNPUBLISHED`].
+    /// Whether the chaining values are computed (group 0, or any with the block feed) or left
+    /// [`UNPUBLISHED`].
     publishes: bool,
     /// `chains[computed_from..]` were computed, starting from `chains[computed_from - 1]` as
     /// it was then (the root when 0).
@@ -341,13 +342,14 @@ impl PrefixCache {
     }
 
     /// Hashes a prompt for admission: the root and every full block's map key, no lookup yet
-    /// (see [`PromptHashes::find_hits`]). Takes no lock; the vectors become the admitted
-    /// sequence's.
+    /// (see [`PromptHashes::find_hits`]); the walk computes the chaining values if
+    /// `publishes`. Takes no lock; the vectors become the admitted sequence's.
     pub(crate) fn hash_prompt(
         &self,
         tokens: &[Token],
         with: &HashKeys<'_>,
         group: u8,
+        publishes: bool,
     ) -> PromptHashes {
         let root = self.root(with, group);
         let full = tokens.len() / self.block_size;
@@ -374,7 +376,7 @@ impl PrefixCache {
             digests,
             cached_hits: 0,
             first: 0,
-            publishes: group == 0,
+            publishes,
             computed_from: usize::MAX,
             base: [0; 32],
         }

@@ -187,6 +187,11 @@ struct Seen {
     shortened_hits: u64,
     /// Plans and rollbacks refused because they would read released blocks.
     window_refusals: u64,
+    /// Confirmed loads that extended a hit through a window group handed out only the blocks
+    /// its next query reads, and loads whose hit a window group's short run shortened (the
+    /// groups loading from the hit alone would have served more).
+    window_loads: u64,
+    window_short_loads: u64,
     /// State group: admissions and forks refused for want of a slot, loads refused (no
     /// store holds states), rollbacks that restored a draft state and rollbacks refused for
     /// want of one, admissions that set a branch point, forks of a parent whose own copy was
@@ -1187,8 +1192,12 @@ impl Model {
             Some(l) if self.caching => l.min(hittable).saturating_sub(k),
             _ => 0,
         };
-        let loads = (groups.iter())
-            .map(|gs| gs.table[k - gs.first..k - gs.first + m].to_vec())
+        // A windowed group loads only the blocks the query at the extended hit reads.
+        let loads = (groups.iter().enumerate())
+            .map(|(g, gs)| {
+                let start = self.load_start(g, k, m);
+                gs.table[start - gs.first..k + m - gs.first].to_vec()
+            })
             .collect();
         for (c, allowed) in self.counters.iter_mut().zip(allowed) {
             if loadable.is_some() {
@@ -1227,27 +1236,86 @@ impl Model {
         Ok((k * self.bs, loads))
     }
 
-    fn confirm_loads(&mut self, seq: SeqId, loaded: usize) -> Expect<()> {
+    /// The first logical block group `g` loads past a hit of `k` blocks extended by `m`: the
+    /// hit, or the first block a query at the extended hit reads.
+    fn load_start(&self, g: usize, k: usize, m: usize) -> usize {
+        if m == 0 {
+            return k;
+        }
+        k.max(self.first_block(g, (k + m) * self.bs))
+    }
+
+    /// How many blocks each group of `seq` was handed to load (none for a sequence that
+    /// waits for no loads).
+    fn handed_out(&self, seq: SeqId) -> Vec<usize> {
+        match self.seqs.get(&seq).and_then(|s| s.loading) {
+            Some((k, m)) => (self.groups())
+                .map(|g| k + m - self.load_start(g, k, m))
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// `confirm_loads` (`each`: `loaded[0]` for every group) and `confirm_group_loads` (a
+    /// count per group).
+    fn confirm_loads(&mut self, seq: SeqId, loaded: &[usize], each: bool) -> Expect<()> {
         self.no_state()?;
-        let Some(s) = self.seqs.get_mut(&seq) else {
-            return Err(vec![Error::UnknownSequence(seq)]);
-        };
-        let Some((first, count)) = s.loading else {
-            return Err(vec![invalid()]);
-        };
-        if loaded > count {
+        if !each && loaded.len() != self.attention.len() {
             return Err(vec![invalid()]);
         }
-        s.loading = None;
-        let upto = (first + loaded) * self.bs;
+        let Some(s) = self.seqs.get(&seq) else {
+            return Err(vec![Error::UnknownSequence(seq)]);
+        };
+        let Some((k, m)) = s.loading else {
+            return Err(vec![invalid()]);
+        };
+        let mut runs = Vec::new();
+        for g in self.groups() {
+            let start = self.load_start(g, k, m);
+            let handed = k + m - start;
+            let loaded = if each { loaded[0] } else { loaded[g] };
+            if (each && loaded > m) || (!each && loaded > handed) {
+                return Err(vec![invalid()]);
+            }
+            runs.push((start, loaded.min(handed)));
+        }
+        // The longest hit every group serves: the blocks a query there reads past `k` are
+        // all within the group's loaded run.
+        let upto = (k..=k + m)
+            .rev()
+            .find(|&upto| {
+                (self.groups()).all(|g| {
+                    let (start, run) = runs[g];
+                    let reads = self.first_block(g, upto * self.bs);
+                    upto == k || (upto <= start + run && k.max(reads) >= start)
+                })
+            })
+            .expect("model: the hit is served");
+        let from_hit = (k..=k + m)
+            .rev()
+            .find(|&upto| {
+                (self.groups())
+                    .filter(|&g| runs[g].0 == k)
+                    .all(|g| upto <= k + runs[g].1)
+            })
+            .expect("model: the hit is served");
+        let windowed = runs.iter().any(|&(start, _)| start > k);
+        self.seen.window_loads += u64::from(windowed && upto > k);
+        self.seen.window_short_loads += u64::from(windowed && from_hit > upto);
+        self.seqs.get_mut(&seq).unwrap().loading = None;
+        let tokens = upto * self.bs;
         for g in self.groups() {
             let gs = &mut self.seqs.get_mut(&seq).unwrap().groups[g];
-            gs.planned = gs.planned.max(upto);
-            self.commit_to(g, seq, upto);
+            if upto > k {
+                // Blocks before the first loaded one were never filled: never registered.
+                gs.registered = gs.registered.max(runs[g].0);
+            }
+            gs.planned = gs.planned.max(tokens);
+            self.commit_to(g, seq, tokens);
             let c = &mut self.counters[g];
-            c.external_hit += (loaded * self.bs) as u64;
-            c.hit_tokens += (loaded * self.bs) as u64;
-            c.external_failures += (count - loaded) as u64;
+            c.external_hit += ((upto - k) * self.bs) as u64;
+            c.hit_tokens += ((upto - k) * self.bs) as u64;
+            c.external_failures += (m - (upto - k)) as u64;
         }
         Ok(())
     }
@@ -2296,6 +2364,11 @@ enum Op {
         seq: SeqRef,
         loaded: Count,
     },
+    /// `confirm_group_loads`: a count per group (one more or fewer now and then).
+    ConfirmGroupLoads {
+        seq: SeqRef,
+        loaded: Vec<Count>,
+    },
     CanAllocate {
         prompt: Prompt,
     },
@@ -2428,6 +2501,8 @@ fn op(state: bool) -> impl Strategy<Value = Op> {
         loads => (new_ref(), prompt(), 0usize..6)
             .prop_map(|(seq, prompt, loadable)| Op::AllocateLoading { seq, prompt, loadable }),
         loads => (live_ref(), count()).prop_map(|(seq, loaded)| Op::ConfirmLoads { seq, loaded }),
+        loads => (live_ref(), prop::collection::vec(count(), 1..=4))
+            .prop_map(|(seq, loaded)| Op::ConfirmGroupLoads { seq, loaded }),
         2 => prompt().prop_map(|prompt| Op::CanAllocate { prompt }),
         4 => (live_ref(), append_tokens).prop_map(|(seq, tokens)| Op::Append { seq, tokens }),
         7 => (
@@ -2959,8 +3034,34 @@ impl Harness {
                 let loaded = loaded.resolve(0, loads, loads);
                 same(
                     either!(&self.real, m => m.confirm_loads(seq, loaded)),
-                    self.model.confirm_loads(seq, loaded),
+                    self.model.confirm_loads(seq, &[loaded], true),
                 )?;
+            }
+            Op::ConfirmGroupLoads { seq, loaded } => {
+                let seq = self.resolve(seq, Want::Loading);
+                let handed = self.model.handed_out(seq);
+                let mut loaded: Vec<usize> = (loaded.iter().enumerate())
+                    .map(|(g, n)| {
+                        let h = handed.get(g).copied().unwrap_or(0);
+                        n.resolve(0, h, h)
+                    })
+                    .collect();
+                match &self.real {
+                    Real::One(m) => same(
+                        m.confirm_loads(seq, loaded[0]),
+                        self.model.confirm_loads(seq, &loaded[..1], true),
+                    )?,
+                    Real::Groups(m) => {
+                        // Mostly one count per group, as the generated list is stretched.
+                        if loaded.len() > 1 || handed.len() == 1 {
+                            loaded.resize(handed.len().max(1), 0);
+                        }
+                        same(
+                            m.confirm_group_loads(seq, &loaded),
+                            self.model.confirm_loads(seq, &loaded, false),
+                        )?
+                    }
+                }
             }
             Op::CanAllocate { prompt } => {
                 let tokens = prompt.tokens(self.stretch);
@@ -3704,6 +3805,8 @@ struct Summary {
     window_hits: AtomicU64,
     shortened_hits: AtomicU64,
     window_refusals: AtomicU64,
+    window_loads: AtomicU64,
+    window_short_loads: AtomicU64,
     /// Cases with a sliding window within a block, one wider than a block, a chunk, and both
     /// a chunk and a sliding window.
     narrow_window_cases: AtomicU64,
@@ -3774,6 +3877,8 @@ impl Summary {
             (&self.window_hits, seen.window_hits),
             (&self.shortened_hits, seen.shortened_hits),
             (&self.window_refusals, seen.window_refusals),
+            (&self.window_loads, seen.window_loads),
+            (&self.window_short_loads, seen.window_short_loads),
             (&self.narrow_window_cases, narrow),
             (&self.wide_window_cases, wide),
             (&self.chunk_cases, chunk),
@@ -3894,6 +3999,10 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>, kind: Kind) {
                 &summary.wide_window_cases,
             ),
             ("chunked-local attention", &summary.chunk_cases),
+            (
+                "loads of only the blocks a window's next query reads",
+                &summary.window_loads,
+            ),
         ]);
     } else {
         assert_eq!(
@@ -3904,6 +4013,10 @@ fn run_model(cases: u32, block_size: impl Strategy<Value = u32>, kind: Kind) {
     }
     if kind == Kind::Hybrid {
         scenarios.push(("hits a group shortened", &summary.shortened_hits));
+        scenarios.push((
+            "loads a window group's short run shortened",
+            &summary.window_short_loads,
+        ));
         scenarios.push((
             "chunked and sliding-window groups together",
             &summary.chunk_and_window_cases,

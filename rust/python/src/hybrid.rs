@@ -1,10 +1,10 @@
 //! The `HybridManager` Python class: KV-cache groups over one pool (see
 //! `pagedkv.HybridManager`); conversions only, like `BlockManager`'s.
 
-use numpy::{IntoPyArray, PyArray1, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyList, PyTuple};
 
 use pagedkv as core;
 
@@ -14,6 +14,7 @@ use crate::conversions::{
     blocks, integer, integers, pairs, salt_bytes, seq_id, seq_ids, to_py, token_ids, Count,
 };
 use crate::events::Event;
+use crate::feed::Registration;
 use crate::manager::{build_config, pool_kind, token_counts};
 use crate::plan::{spare_plan, Plan, PlanPool};
 use crate::state::StateConfig;
@@ -75,10 +76,11 @@ impl HybridManager {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, groups, *,
         num_cpu_blocks = Count::Default(0), enable_prefix_caching = true, watermark = 0.01,
-        hash_key = None, enable_events = false, auto_commit = true, state = None),
+        hash_key = None, enable_events = false, auto_commit = true, state = None,
+        block_feed = false),
         text_signature = "(num_blocks, block_size, groups, *, num_cpu_blocks=0, \
         enable_prefix_caching=True, watermark=0.01, hash_key=None, enable_events=False, \
-        auto_commit=True, state=None)")]
+        auto_commit=True, state=None, block_feed=False)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<'_>,
@@ -91,6 +93,7 @@ impl HybridManager {
         enable_events: bool,
         auto_commit: bool,
         state: Option<StateConfig>,
+        block_feed: bool,
     ) -> PyResult<Self> {
         let groups: Vec<Attention> = groups
             .extract()
@@ -105,6 +108,10 @@ impl HybridManager {
             enable_events,
             auto_commit,
         )?;
+        let config = core::Config {
+            enable_block_feed: block_feed,
+            ..config
+        };
         let groups: Vec<core::Attention> = groups.iter().map(|g| g.inner).collect();
         let state = state.map(|s| s.inner);
         let inner = core::HybridManager::with_state(config, &groups, state).map_err(to_py)?;
@@ -206,16 +213,26 @@ impl HybridManager {
         Ok((reused, loads))
     }
 
-    /// Each group's first `num_loaded` blocks handed out by `allocate_loading` hold their KV.
+    /// The blocks `allocate_loading` handed out hold their KV: each group's first
+    /// `num_loaded` (an int), or group `g`'s first `num_loaded[g]` (one count per group).
     fn confirm_loads(
         &self,
         seq_id: &Bound<'_, PyAny>,
         num_loaded: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let num_loaded = integer::<u64>(num_loaded, "num_loaded")? as usize;
-        (self.inner)
-            .confirm_loads(self::seq_id(seq_id)?, num_loaded)
-            .map_err(to_py)
+        let id = self::seq_id(seq_id)?;
+        let per_group = num_loaded.is_instance_of::<PyList>()
+            || num_loaded.is_instance_of::<PyTuple>()
+            || (num_loaded.downcast::<PyUntypedArray>()).is_ok_and(|a| a.ndim() > 0);
+        let result = if per_group {
+            let counts = integers::<u64>(num_loaded, "num_loaded")?;
+            let counts: Vec<usize> = counts.into_iter().map(|n| n as usize).collect();
+            self.inner.confirm_group_loads(id, &counts)
+        } else {
+            let num_loaded = integer::<u64>(num_loaded, "num_loaded")? as usize;
+            self.inner.confirm_loads(id, num_loaded)
+        };
+        result.map_err(to_py)
     }
 
     /// Appends tokens to a sequence in every group.
@@ -447,16 +464,19 @@ impl HybridManager {
         Ok(py.detach(|| self.inner.cached_prefix_blocks(&tokens, salt.as_deref())))
     }
 
-    /// The 128-bit chained hashes group 0 publishes for the prompt's full blocks.
-    #[pyo3(signature = (token_ids, *, salt = None))]
+    /// The 128-bit chained hashes group `group` (0: the ones events carry) publishes for the
+    /// prompt's full blocks; a group past 0 publishes them in the block feed.
+    #[pyo3(signature = (token_ids, *, salt = None, group = None))]
     fn block_hashes(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
+        group: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u128>> {
         let (tokens, salt) = (self::token_ids(token_ids)?, salt_bytes(salt)?);
-        py.detach(|| self.inner.block_hashes(&tokens, salt.as_deref()))
+        let group = group.map(Self::group).transpose()?.unwrap_or(0);
+        py.detach(|| (self.inner).group_block_hashes(group, &tokens, salt.as_deref()))
             .map_err(to_py)
     }
 
@@ -470,6 +490,28 @@ impl HybridManager {
     fn take_events(&self) -> Vec<Event> {
         (self.inner.take_events().into_iter())
             .map(Event::from)
+            .collect()
+    }
+
+    /// 16 hex digits identifying the hash key (None without prefix caching).
+    #[getter]
+    fn hash_key_fingerprint(&self) -> Option<String> {
+        self.inner
+            .hash_key_fingerprint()
+            .map(|f| format!("{f:016x}"))
+    }
+
+    /// Whether every group's registrations are recorded for `take_registrations`.
+    #[getter]
+    fn block_feed(&self) -> bool {
+        self.inner.config().enable_block_feed
+    }
+
+    /// Every group's registrations and evictions since the last call (empty unless
+    /// `block_feed`).
+    fn take_registrations(&self) -> Vec<Registration> {
+        (self.inner.take_registrations().into_iter())
+            .map(Registration::from)
             .collect()
     }
 

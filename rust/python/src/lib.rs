@@ -4,6 +4,7 @@ mod attention;
 mod batch;
 mod conversions;
 mod events;
+mod feed;
 mod hybrid;
 mod keys;
 mod manager;
@@ -27,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<state::StateConfig>()?;
     m.add_class::<stats::StateStats>()?;
     m.add_class::<events::Event>()?;
+    m.add_class::<feed::Registration>()?;
     m.add("OutOfBlocks", m.py().get_type::<conversions::OutOfBlocks>())?;
     Ok(())
 }

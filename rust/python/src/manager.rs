@@ -556,6 +556,7 @@ pub(crate) fn build_config(
         watermark,
         hash_key,
         enable_events,
+        enable_block_feed: false,
         auto_commit,
         attention: core::Attention::Full,
     })

@@ -7,6 +7,7 @@ use crate::block::BlockSize;
 use crate::config::Attention;
 use crate::error::invalid;
 use crate::events::EventKind;
+use crate::feed::Registration;
 use crate::keys::{check_spans, digest_of, HashKeys};
 use crate::manager::{check_room, BlockManager, Taken, MAX_TOKENS};
 use crate::prefix::{block_hash_of, root_key, BlockHash, MapKey, PrefixCache, PromptHashes};
@@ -65,9 +66,10 @@ impl BlockManager {
 
     /// Admits `seq` like [`BlockManager::allocate`] when an external store holds more of the
     /// prompt: the caller claims full blocks `0..loadable_blocks` exist on the GPU or in the
-    /// store. Returns the GPU-reused tokens `k * block_size` and the fresh GPU blocks for
-    /// logical blocks `k..k + n` to fill from the store (never covering the last token). Their
-    /// KV stays pending until [`BlockManager::confirm_loads`].
+    /// store. Returns the GPU-reused tokens `k * block_size` and the fresh GPU blocks to fill
+    /// from the store: logical blocks `k..k + n` (never covering the last token), or with
+    /// windowed attention those of them the query at `(k + n) * block_size` reads. Their KV
+    /// stays pending until [`BlockManager::confirm_loads`].
     pub fn allocate_loading(
         &self,
         seq: SeqId,
@@ -123,7 +125,9 @@ impl BlockManager {
 
     /// The prompt's hashes for admission (none without prefix caching).
     pub(super) fn hash_prompt(&self, tokens: &[Token], with: &HashKeys<'_>) -> Admission {
-        Admission((self.prefix.as_ref()).map(|p| p.hash_prompt(tokens, with, self.group)))
+        let publishes = self.publishes_hashes();
+        let hash = |p: &Arc<PrefixCache>| p.hash_prompt(tokens, with, self.group, publishes);
+        Admission(self.prefix.as_ref().map(hash))
     }
 
     /// Finds the prompt's longest hit of at most `upto` full blocks that this manager can
@@ -197,7 +201,8 @@ impl BlockManager {
             Some(until) if self.prefix.is_some() => until.min(hittable).saturating_sub(hit),
             _ => 0,
         };
-        let load_blocks = table[hit - first..hit - first + loads].to_vec();
+        let start = self.load_start(hit, loads);
+        let load_blocks = table[start - first..hit + loads - first].to_vec();
         let (keys, hashes, root) = match prompt.0 {
             Some(p) => (p.keys, p.chains, p.root),
             None => (Vec::new(), Vec::new(), [0; 32]),
@@ -332,6 +337,7 @@ impl BlockManager {
     /// Drops every prefix-cache registration: CACHED blocks become FREE, held blocks stay
     /// held but are no longer shared with new prompts; the CPU tier is no longer announced.
     pub fn reset_prefix_cache(&self) {
+        self.feed.record(|| Registration::Cleared);
         let Some(prefix) = &self.prefix else {
             self.events.record(|| EventKind::AllBlocksCleared);
             return;

@@ -233,11 +233,12 @@ impl HybridManager {
         Ok((hits.resume * bs, loads))
     }
 
-    /// [`BlockManager::confirm_loads`] in every group (each loaded its first `loaded` blocks).
+    /// [`BlockManager::confirm_loads`] in every group: each group's first `loaded` blocks
+    /// handed out to load (all of them, where it was handed fewer) hold their KV. See
+    /// [`HybridManager::confirm_group_loads`].
     pub fn confirm_loads(&self, seq: SeqId, loaded: usize) -> Result<(), Error> {
         self.no_state("confirm_loads")?;
-        let _held = lock(&self.lock);
-        self.each(|g| g.confirm_loads(seq, loaded))
+        self.confirm_runs(seq, Runs::Each(loaded))
     }
 
     /// Appends tokens to a running sequence in every group (see [`BlockManager::append`]).
@@ -856,6 +857,88 @@ impl HybridManager {
         }
         Ok(())
     }
+
+    /// Confirms each group's loads: group `g`'s first `loaded[g]` blocks handed out by
+    /// `allocate_loading` hold their KV. The hit grows to the longest every group serves
+    /// (a short run in one group shortens it for all); the rest is recomputed.
+    pub fn confirm_group_loads(&self, seq: SeqId, loaded: &[usize]) -> Result<(), Error> {
+        self.no_state("confirm_group_loads")?;
+        if loaded.len() != self.groups.len() {
+            return Err(invalid(format!(
+                "loaded: one count per group ({}), not {}",
+                self.groups.len(),
+                loaded.len()
+            )));
+        }
+        self.confirm_runs(seq, Runs::PerGroup(loaded))
+    }
+
+    /// The published hashes of group `group`'s chain over the prompt's full blocks: what the
+    /// block feed carries for that group's blocks (group 0's are [`HybridManager::block_hashes`]).
+    pub fn group_block_hashes(
+        &self,
+        group: usize,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+    ) -> Result<Vec<BlockHash>, Error> {
+        self.group(group)?.block_hashes(tokens, salt)
+    }
+
+    /// A 64-bit fingerprint of the hash key (`None` without prefix caching): see
+    /// [`BlockManager::hash_key_fingerprint`].
+    pub fn hash_key_fingerprint(&self) -> Option<u64> {
+        self.groups[0].hash_key_fingerprint()
+    }
+
+    /// Removes and returns every group's recorded registrations (empty unless
+    /// `enable_block_feed`).
+    pub fn take_registrations(&self) -> Vec<crate::Registration> {
+        self.groups[0].take_registrations()
+    }
+
+    /// Checks every group's loads and run, then ends them with the longest hit every group
+    /// serves.
+    fn confirm_runs(&self, seq: SeqId, runs: Runs<'_>) -> Result<(), Error> {
+        let _held = lock(&self.lock);
+        let mut pending = Vec::with_capacity(self.groups.len());
+        for (g, group) in self.groups.iter().enumerate() {
+            let one = group.seqs.lock_one(seq);
+            let s = one.get_ref().ok_or(Error::UnknownSequence(seq))?;
+            let loads = group.pending_loads(seq, s)?;
+            let run = match runs {
+                Runs::Each(loaded) if loaded > loads.count => {
+                    return Err(invalid(format!(
+                        "sequence {seq} was handed {} blocks to load, not {loaded}",
+                        loads.count
+                    )))
+                }
+                Runs::Each(loaded) => loaded.min(loads.handed_out()),
+                Runs::PerGroup(loaded) if loaded[g] > loads.handed_out() => {
+                    return Err(invalid(format!(
+                        "loaded[{g}]: sequence {seq} was handed {} blocks to load in group \
+                         {g}, not {}",
+                        loads.handed_out(),
+                        loaded[g]
+                    )))
+                }
+                Runs::PerGroup(loaded) => loaded[g],
+            };
+            pending.push((loads, run));
+        }
+        let (hit, count) = (pending[0].0.hit, pending[0].0.count);
+        let upto = (hit..=hit + count)
+            .rev()
+            .find(|&upto| {
+                (self.groups.iter().zip(&pending))
+                    .all(|(g, (loads, run))| g.served_loads(loads, *run, upto))
+            })
+            .expect("the hit itself is served");
+        for g in &self.groups {
+            let mut one = g.seqs.lock_one(seq);
+            g.finish_loads(one.get().expect("checked above"), upto);
+        }
+        Ok(())
+    }
 }
 
 /// Fails unless `drafts` has a count per row, each below its row's query length.
@@ -941,6 +1024,14 @@ impl BlockManager {
             })
         });
     }
+}
+
+/// The runs of loaded blocks `confirm_loads` reports: the same count for every group, or one
+/// per group.
+#[derive(Clone, Copy)]
+enum Runs<'a> {
+    Each(usize),
+    PerGroup(&'a [usize]),
 }
 
 /// A prompt's hits in blocks: what the KV groups serve together (`common`), what they take

@@ -4,37 +4,102 @@
 
 use crate::error::invalid;
 use crate::events::EventKind;
+use crate::feed::Registration;
 use crate::manager::{one_each, visit, BlockManager};
 use crate::prefix::{block_hash_of, Chain, PrefixCache, UNPUBLISHED};
 use crate::sequence::Sequence;
 use crate::stats::Counters;
 use crate::{BlockId, Error, PoolKind, SeqId, Token};
 
+/// A sequence's pending external loads: its hit of `hit` blocks may grow by `count`, and the
+/// blocks handed out to load are logical `start..hit + count`.
+pub(super) struct Loads {
+    pub(super) hit: usize,
+    pub(super) count: usize,
+    pub(super) start: usize,
+}
+
+impl Loads {
+    /// How many blocks were handed out to load.
+    pub(super) fn handed_out(&self) -> usize {
+        self.hit + self.count - self.start
+    }
+}
+
 impl BlockManager {
-    /// Confirms that the first `loaded` blocks handed out by `allocate_loading` hold their KV:
-    /// they become computed (and shareable); the rest stay pending, to be recomputed.
+    /// Confirms that the first `loaded` blocks handed out by `allocate_loading` hold their KV
+    /// (at most the `n` blocks past the hit it was asked for; a windowed manager handed out
+    /// fewer, and `loaded` beyond them counts as all of them). The prompt's hit grows by the
+    /// longest run those blocks serve (see [`BlockManager::served_loads`]); its KV becomes
+    /// computed and shareable, the rest stays pending, to be recomputed.
     pub fn confirm_loads(&self, seq: SeqId, loaded: usize) -> Result<(), Error> {
         let mut one = self.seqs.lock_one(seq);
         let s = one.get().ok_or(Error::UnknownSequence(seq))?;
-        let Some((first, count)) = s.loading else {
+        let loads = self.pending_loads(seq, s)?;
+        if loaded > loads.count {
+            return Err(invalid(format!(
+                "sequence {seq} was handed {} blocks to load, not {loaded}",
+                loads.count
+            )));
+        }
+        let run = loaded.min(loads.handed_out());
+        let upto = (loads.hit..=loads.hit + loads.count)
+            .rev()
+            .find(|&upto| self.served_loads(&loads, run, upto))
+            .expect("the hit itself is served");
+        self.finish_loads(s, upto);
+        Ok(())
+    }
+
+    /// The external loads `s` (sequence `seq`) waits for; fails if it waits for none.
+    pub(super) fn pending_loads(&self, seq: SeqId, s: &Sequence) -> Result<Loads, Error> {
+        let Some((hit, count)) = s.loading else {
             return Err(invalid(format!(
                 "sequence {seq} has no external loads to confirm"
             )));
         };
-        if loaded > count {
-            return Err(invalid(format!(
-                "sequence {seq} was handed {count} blocks to load, not {loaded}"
-            )));
+        let start = self.load_start(hit, count);
+        Ok(Loads { hit, count, start })
+    }
+
+    /// The first logical block to load past a hit of `hit` blocks extended by `count`: the
+    /// hit, or with windowed attention the first block the query at the extended hit reads.
+    pub(super) fn load_start(&self, hit: usize, count: usize) -> usize {
+        let end = hit + count;
+        match count {
+            0 => hit,
+            _ => hit.max(
+                self.bs
+                    .index(self.config.attention.first_key(end * self.bs.get())),
+            ),
         }
-        s.loading = None;
-        let upto = (first + loaded) * self.bs.get();
-        s.planned = s.planned.max(upto);
-        self.commit_to(s, upto);
-        let hit = (loaded * self.bs.get()) as u64;
-        Counters::add(&self.counters.external_hit_tokens, hit);
-        Counters::add(&self.counters.prefix_hit_tokens, hit);
+    }
+
+    /// Whether a hit of `upto` blocks is served when the first `run` blocks handed out to
+    /// load hold their KV: every block a query at `upto` reads from `loads.hit` on is loaded
+    /// (the hit itself always is).
+    pub(super) fn served_loads(&self, loads: &Loads, run: usize, upto: usize) -> bool {
+        let reads = self
+            .bs
+            .index(self.config.attention.first_key(upto * self.bs.get()));
+        upto == loads.hit || (upto <= loads.start + run && loads.hit.max(reads) >= loads.start)
+    }
+
+    /// Ends `s`'s external loads with a hit of `upto` blocks: its KV is computed up to there;
+    /// blocks the loads skipped (before a window's first loaded block) are never registered.
+    pub(super) fn finish_loads(&self, s: &mut Sequence, upto: usize) {
+        let (hit, count) = s.loading.take().expect("waits for loads");
+        if upto > hit {
+            s.registered = s.registered.max(self.load_start(hit, count));
+        }
+        let tokens = upto * self.bs.get();
+        s.planned = s.planned.max(tokens);
+        self.commit_to(s, tokens);
+        let loaded = upto - hit;
+        let hit_tokens = (loaded * self.bs.get()) as u64;
+        Counters::add(&self.counters.external_hit_tokens, hit_tokens);
+        Counters::add(&self.counters.prefix_hit_tokens, hit_tokens);
         Counters::add(&self.counters.external_failures, (count - loaded) as u64);
-        Ok(())
     }
 
     /// Confirms the engine's forward passes: each sequence's KV is computed up to `upto[i]`
@@ -133,8 +198,8 @@ impl BlockManager {
     }
 
     /// Hashes the sequence's full blocks `0..n` that are not hashed yet (chaining values and
-    /// map keys). Only group 0 publishes hashes: the chaining values of other groups' blocks
-    /// stay [`UNPUBLISHED`].
+    /// map keys). Only group 0 publishes hashes without the block feed: the chaining values of
+    /// other groups' blocks then stay [`UNPUBLISHED`].
     pub(super) fn hash_blocks(&self, prefix: &PrefixCache, s: &mut Sequence, n: usize) {
         let bs = self.bs.get();
         while s.hashes.len() < n {
@@ -142,9 +207,9 @@ impl BlockManager {
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
             let digest = s.extra.digest(i, bs);
             let key = prefix.key_block(prefix.link(s.parent_key(i), digest.as_ref()), tokens);
-            s.hashes.push(match self.group {
-                0 => prefix.hash_block(&s.parent_chain(i), tokens, digest.as_ref()),
-                _ => UNPUBLISHED,
+            s.hashes.push(match self.publishes_hashes() {
+                true => prefix.hash_block(&s.parent_chain(i), tokens, digest.as_ref()),
+                false => UNPUBLISHED,
             });
             s.keys.push(key);
         }
@@ -180,9 +245,14 @@ impl BlockManager {
     }
 
     /// Publishes `s`'s full block `i` (`block`, of `chain` and `tokens`) once its registration
-    /// is written: flags it hashed and records its stored event.
+    /// is written: flags it hashed and records it in the block feed and its stored event.
     fn publish(&self, s: &Sequence, i: usize, block: BlockId, chain: &Chain, tokens: &[Token]) {
         self.gpu.mark_hashed(block);
+        self.feed.record(|| Registration::Stored {
+            group: self.group,
+            block,
+            hash: block_hash_of(chain),
+        });
         if !self.announces() {
             return;
         }

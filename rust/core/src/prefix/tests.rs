@@ -23,7 +23,7 @@ fn map_keys_chain_and_depend_on_key_and_salt() {
     let b = PrefixCache::new([2; 32], 4, 4).unwrap();
     let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
     let keys = |c: &PrefixCache, salt: Option<&[u8]>| {
-        c.hash_prompt(&tokens, &HashKeys::salt(salt), 0).keys
+        c.hash_prompt(&tokens, &HashKeys::salt(salt), 0, true).keys
     };
     let k = keys(&a, None);
     assert_eq!(k.len(), 2);
@@ -158,7 +158,7 @@ fn prompt_hashes_read_hits_and_compute_the_rest_once() {
             None,
         ),
     ];
-    let mut prompt = c.hash_prompt(&tokens, &HashKeys::default(), 0);
+    let mut prompt = c.hash_prompt(&tokens, &HashKeys::default(), 0, true);
     prompt.find_hits(&c, &pool, &tokens, 2);
     assert!(prompt.hits.is_empty());
     assert_eq!(prompt.chains, chains);
