@@ -481,9 +481,10 @@ class _Engine:
                 self._emit(seq, token)
 
     def _plan(self, batch: list[_Sequence], q_lens: list[int]) -> Plan:
-        """Plans the pass (committing each sequence's previous one: the plan hands out the copies
-        of KV blocks and state slots and the resets this pass applies first), its drafts' states
-        kept for a rollback. Without slots for those states the drafts are dropped instead."""
+        """Plans the pass, keeping its drafts' states for a rollback (planning commits each
+        sequence's previous pass and hands out the copies of KV blocks and state slots and the
+        resets this pass applies first). Without slots for those states the drafts are dropped
+        instead and `q_lens` shrinks with them."""
         ids = [s.seq_id for s in batch]
         drafts = [len(s.drafts) for s in batch]
         try:
