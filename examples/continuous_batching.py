@@ -355,24 +355,29 @@ class Drafter(Protocol):
         ...
 
 
+def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3) -> list[int]:
+    """Up to `k` drafts: what followed the latest earlier occurrence of the last n tokens (the
+    longest n up to `max_ngram` that occurs)."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = list(tokens[-n:])
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+            if list(tokens[start : start + n]) == tail:
+                return list(tokens[start + n : start + n + k])
+    return []
+
+
 class NgramDrafter:
-    """Prompt lookup: proposes what followed the latest earlier occurrence of the sequence's last
-    n tokens (the longest n up to `max_ngram` that occurs), from its own tokens; no model."""
+    """Prompt lookup (`prompt_lookup`) over the sequence's own tokens; no model."""
 
     def __init__(self, max_ngram: int = 3) -> None:
         self.max_ngram = max_ngram
         self.copied_blocks = 0
 
     def propose(self, seqs: list[_Sequence], counts: list[int]) -> list[list[int]]:
-        return [self._lookup(seq.tokens, k) for seq, k in zip(seqs, counts, strict=True)]
-
-    def _lookup(self, tokens: list[int], k: int) -> list[int]:
-        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
-            tail = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
-                if tokens[start : start + n] == tail:
-                    return tokens[start + n : start + n + k]
-        return []
+        return [
+            prompt_lookup(seq.tokens, k, self.max_ngram)
+            for seq, k in zip(seqs, counts, strict=True)
+        ]
 
     def verified(self, seqs: list[_Sequence], drafts: list[list[int]], accepted: list[int]) -> None:
         pass

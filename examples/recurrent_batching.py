@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from continuous_batching import Request, prompt_lookup
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
@@ -44,16 +45,6 @@ from pagedkv import Attention, HybridManager, OutOfBlocks, Plan, StateConfig, St
 from pagedkv.attention import BackendName, PagedAttention
 from pagedkv.kv_cache import KVCache
 from pagedkv.state_cache import StateCache, state_segments, state_shapes
-
-
-@dataclass(frozen=True)
-class Request:
-    """A prompt to continue greedily for `max_new_tokens`, arriving at step `arrival_step`."""
-
-    prompt: Sequence[int]
-    max_new_tokens: int
-    arrival_step: int = 0
-    num_samples: int = 1
 
 
 @dataclass
@@ -94,17 +85,6 @@ class _Sequence:
     @property
     def prefilling(self) -> bool:
         return self.computed < len(self.context)
-
-
-def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3) -> list[int]:
-    """Up to `k` drafts: what followed the latest earlier occurrence of the last n tokens (the
-    longest n up to `max_ngram` that occurs)."""
-    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
-        tail = list(tokens[-n:])
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if list(tokens[start : start + n]) == tail:
-                return list(tokens[start + n : start + n + k])
-    return []
 
 
 class PagedQwen3Next:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_llama_e2e import greedy_reference
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "recurrent_batching.py"
 
@@ -28,6 +29,8 @@ def load_example() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    if str(EXAMPLE.parent) not in sys.path:  # it imports its sibling continuous_batching.py
+        sys.path.insert(0, str(EXAMPLE.parent))
     spec.loader.exec_module(module)
     return module
 
@@ -57,19 +60,7 @@ def model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def expected(model: torch.nn.Module) -> list[list[int]]:
-    out: list[list[int]] = []
-    for r in requests():
-        ids = torch.tensor([list(r.prompt)])
-        with torch.inference_mode():
-            tokens = model.generate(  # type: ignore[operator]
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=r.max_new_tokens,
-                do_sample=False,
-            )
-        out.append(tokens[0, ids.shape[1] :].tolist())
-        assert len(out[-1]) == r.max_new_tokens
-    return out
+    return [greedy_reference(model, list(r.prompt), r.max_new_tokens) for r in requests()]
 
 
 def check_tokens(result: Any, expected: list[list[int]]) -> None:
@@ -192,15 +183,7 @@ def test_random_workload_on_another_model() -> None:
         backend="torch",
     )
     for i, r in enumerate(reqs):
-        ids = torch.tensor([list(r.prompt)])
-        with torch.inference_mode():
-            out = model.generate(  # type: ignore[operator]
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=r.max_new_tokens,
-                do_sample=False,
-            )
-        want = out[0, ids.shape[1] :].tolist()
+        want = greedy_reference(model, list(r.prompt), r.max_new_tokens)
         for s, got in enumerate(result.tokens[i]):
             assert got == want, f"request {i} sample {s}: {got} != {want}"
     assert result.state.prefix_hit_tokens > 0

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from test_simulate import UNIT_TIME
 
 from pagedkv import Attention
 from pagedkv.simulate import GPUS, MODELS, ConfigError, Request, SimulationConfig, simulate
@@ -20,19 +21,9 @@ from pagedkv.simulate.paged import PagedSystem, PromptTokens
 from pagedkv.simulate.presets import CHAT_TRACES, UNIFORM_TRACES, ChatTracePreset, ModelPreset
 from pagedkv.simulate.report import format_table
 from pagedkv.simulate.simulation import default_systems, system_label
-from pagedkv.simulate.timing import StepTimeModel
 from pagedkv.simulate.trace import chat_trace, final_histories, next_turns, uniform_trace
 
 INF = math.inf
-UNIT_TIME = StepTimeModel(
-    weight_bytes=1.0,
-    kv_bytes_per_token=0,
-    num_params=0.0,
-    bandwidth=1.0,
-    flops=1.0,
-    bandwidth_fraction=1.0,
-    flop_fraction=1.0,
-)
 GEMMA = MODELS["gemma-3-27b"]
 
 

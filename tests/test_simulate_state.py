@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from test_simulate import UNIT_TIME
 
 from pagedkv.simulate import GPUS, MODELS, ConfigError, Request, SimulationConfig, simulate
 from pagedkv.simulate.engine import Active, run
@@ -17,20 +18,10 @@ from pagedkv.simulate.hybrid import HybridPagedSystem
 from pagedkv.simulate.presets import CHAT_TRACES, ModelPreset, gated_deltanet_state_bytes
 from pagedkv.simulate.report import format_table
 from pagedkv.simulate.simulation import build_system, default_systems, system_label
-from pagedkv.simulate.timing import StepTimeModel
 from pagedkv.simulate.trace import chat_trace, final_histories
 
 INF = math.inf
 QWEN = MODELS["qwen3-next-80b"]
-UNIT_TIME = StepTimeModel(
-    weight_bytes=1.0,
-    kv_bytes_per_token=0,
-    num_params=0.0,
-    bandwidth=1.0,
-    flops=1.0,
-    bandwidth_fraction=1.0,
-    flop_fraction=1.0,
-)
 # One full-attention layer of 32 bytes per token; a state of 64 tokens' KV.
 TINY = ModelPreset(
     "tiny-recurrent", 1, 1, 8, 1e6, 4096, "test", num_state_layers=3, state_bytes=2048

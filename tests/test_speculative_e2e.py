@@ -109,11 +109,11 @@ def test_speculation_under_swaps_and_chunks(
 
 
 def test_prompt_lookup_proposes_what_followed() -> None:
-    drafter = cb.NgramDrafter(max_ngram=2)
-    assert drafter._lookup([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
-    assert drafter._lookup([1, 2, 3, 9, 2], 3) == [3, 9, 2]  # falls back to a shorter n-gram
-    assert drafter._lookup([7, 1, 7, 2, 7], 2) == [2, 7]  # the latest earlier occurrence
-    assert drafter._lookup([1, 2, 3], 3) == []
+    lookup = cb.prompt_lookup
+    assert lookup([1, 2, 3, 4, 1, 2], 3, 2) == [3, 4, 1]
+    assert lookup([1, 2, 3, 9, 2], 3, 2) == [3, 9, 2]  # falls back to a shorter n-gram
+    assert lookup([7, 1, 7, 2, 7], 2, 2) == [2, 7]  # the latest earlier occurrence
+    assert lookup([1, 2, 3], 3, 2) == []
 
 
 def test_verify_batch_then_rollback_batch_match_the_one_shot_calls() -> None:

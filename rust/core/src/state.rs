@@ -223,6 +223,19 @@ fn new_seq(working: SlotId, prompt_point: usize, branch: usize, resume: usize) -
     }
 }
 
+/// Orders one row's `(row, tokens, slot)` saves by `tokens`, stably (a draft state before a
+/// checkpoint at the same point).
+fn sort_saves(saves: &mut [i32]) {
+    if saves.len() <= 3 {
+        return;
+    }
+    let mut triples: Vec<[i32; 3]> = saves.chunks_exact(3).map(|t| [t[0], t[1], t[2]]).collect();
+    triples.sort_by_key(|t| t[1]);
+    for (dst, t) in saves.chunks_exact_mut(3).zip(triples) {
+        dst.copy_from_slice(&t);
+    }
+}
+
 /// The state pool.
 pub(crate) struct StateCache {
     config: StateConfig,
@@ -583,22 +596,24 @@ impl StateCache {
         }
         resets.extend(self.resets.drain(..).map(|slot| slot as i32));
         // Draft states first: a checkpoint save may take the last slot.
-        let mut row_saves: Vec<Vec<[i32; 3]>> = Vec::with_capacity(rows.len());
-        for (row, r) in rows.iter().enumerate() {
-            let mut kept = Vec::with_capacity(r.drafts);
+        for r in rows {
             for point in r.end - r.drafts..r.end {
                 let slot = self.take_slot().expect("draft slots checked available");
                 self.slots[slot as usize] = Slot::Draft(r.seq);
                 let s = self.seqs.get_mut(&r.seq).expect("planned rows are live");
                 s.drafts.push((point, slot));
-                kept.push([row as i32, (point - r.start) as i32, slot as i32]);
             }
-            row_saves.push(kept);
         }
-        for ((row, r), mut row_saves) in rows.iter().enumerate().zip(row_saves) {
+        for (row, r) in rows.iter().enumerate() {
             let s = self.seqs.get_mut(&r.seq).expect("planned rows are live");
             s.resume = r.end;
             slots.push(s.working as i32);
+            let row_saves = saves.len();
+            let drafted = &s.drafts[s.drafts.len() - r.drafts..];
+            saves
+                .extend((drafted.iter()).flat_map(|&(point, slot)| {
+                    [row as i32, (point - r.start) as i32, slot as i32]
+                }));
             for point in self.points(r) {
                 let Some(slot) = self.take_checkpoint_slot() else {
                     self.stats.skipped += 1;
@@ -608,11 +623,9 @@ impl StateCache {
                 self.num_saving += 1;
                 let s = self.seqs.get_mut(&r.seq).expect("planned rows are live");
                 s.saving.push((point, slot));
-                row_saves.push([row as i32, (point - r.start) as i32, slot as i32]);
+                saves.extend([row as i32, (point - r.start) as i32, slot as i32]);
             }
-            // Stable: a draft state before a checkpoint at the same point.
-            row_saves.sort_by_key(|t| t[1]);
-            saves.extend(row_saves.iter().flatten());
+            sort_saves(&mut saves[row_saves..]);
         }
     }
 
